@@ -1,0 +1,43 @@
+# dflash-images: build CUDA-extension wheels once, ship them in a slim self-checking training image.
+# Every target only calls the project's own CLIs; the logic lives in Python, where it is tested.
+
+TARGET  ?= cu128-sm120        # a [targets.*] name from targets.toml
+PYTHON  ?= python3.11         # interpreter for the host venv (the cu130 targets' Python)
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-train push clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: locks/cu130/runtime.txt locks/dev.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --require-hashes -r locks/cu130/runtime.txt -r locks/dev.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(VENV)/.installed  ## host virtualenv from the hash-pinned locks (torch 2.11.0, transformers, fla, test tools)
+
+engine: venv  ## make sure a Docker engine with BuildKit runs (installs Debian's docker.io when root and missing)
+	$(PY) -m images engine
+
+base: engine  ## bootstrap the offline Debian base image dflash-base:bookworm (debootstrap + docker import)
+	$(PY) -m images base
+
+lock: venv  ## regenerate locks/ from targets.toml and locks/*.in (needs uv and the torch index)
+	$(PY) -m wheelbuilder lock
+
+wheels: engine  ## build the target's wheels in the builder stage -> dist/wheels/$(TARGET)/
+	$(PY) -m images wheels --target $(strip $(TARGET))
+
+test: venv engine  ## run every test tier this machine can run
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: venv  ## unit tests only (no Docker, no compiles)
+	$(PY) -m pytest -m "not docker and not nvcc and not lxc and not ssh and not gpu and not slow" $(PYTEST_ARGS)
+
+clean:  ## remove build outputs (keeps the venv)
+	rm -rf dist build logs

@@ -1,0 +1,67 @@
+"""One subprocess wrapper: prints `+ cmd`, checks the executable exists, tees output to a log file,
+and raises a typed error naming the log on failure."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import BuildError, FatalError, ToolchainError
+
+
+def echo(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(
+    cmd: Sequence[str],
+    *,
+    cwd: Path | str | None = None,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    on_line: Callable[[str], None] | None = None,
+    error: type[FatalError] = BuildError,
+    quiet: bool = False,
+) -> str:
+    """Run `cmd`; return its stdout+stderr. With `log`, append every line to it; `on_line` sees each line
+    (progress parsing). Raises `error` with the tail of the output on a non-zero exit."""
+    cmd = [str(c) for c in cmd]
+    if shutil.which(cmd[0], path=(env or os.environ).get("PATH")) is None and not Path(cmd[0]).exists():
+        raise ToolchainError(f"'{cmd[0]}' was not found on PATH; it is needed to run: {shlex.join(cmd)}")
+    if not quiet:
+        echo(f"+ {shlex.join(cmd)}")
+    lines: list[str] = []
+    logf = open(log, "a", encoding="utf-8") if log else None
+    try:
+        if logf:
+            logf.write(f"+ {shlex.join(cmd)}\n")
+            logf.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", start_new_session=False)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if logf:
+                logf.write(line)
+            if on_line:
+                on_line(line.rstrip("\n"))
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        raise
+    finally:
+        if logf:
+            logf.close()
+    out = "".join(lines)
+    if rc != 0:
+        tail = "".join(lines[-25:])
+        where = f" Full log: {log}." if log else ""
+        raise error(f"command failed with exit code {rc}: {shlex.join(cmd)}{where}\n--- last lines ---\n{tail}", ) \
+            if rc > 0 else error(f"command was killed by signal {-rc}: {shlex.join(cmd)}{where}\n{tail}")
+    return out

@@ -1,0 +1,334 @@
+"""targets.toml: the single source of truth, loaded into frozen dataclasses and checked up front.
+
+Everything that can be wrong in the file (an unknown key, a target naming a missing toolkit, an arch
+the toolkit's CUDA cannot compile) fails here, before anything is downloaded or compiled.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from .errors import ConfigurationError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TARGETS_FILE = REPO_ROOT / "targets.toml"
+
+# First CUDA release whose nvcc compiles SASS for each arch (NVIDIA's CUDA release notes), and the
+# last release that still does (CUDA 13.0 dropped everything before Turing).
+ARCH_MIN_CUDA: dict[str, str] = {
+    "7.5": "10.0", "8.0": "11.0", "8.6": "11.1", "8.7": "11.4", "8.9": "11.8", "9.0": "11.8",
+    "10.0": "12.8", "10.3": "12.9", "11.0": "13.0", "12.0": "12.8", "12.1": "12.9",
+}
+ARCH_MAX_CUDA_MAJOR: dict[str, int] = {}  # none of the arches above is dropped up to CUDA 13
+
+
+def did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+@dataclass(frozen=True, order=True)
+class Arch:
+    """A GPU arch as `major.minor`, optionally with PTX (`12.0+PTX`)."""
+
+    major: int
+    minor: int
+    ptx: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Arch":
+        m = re.fullmatch(r"(\d+)\.(\d)(\+PTX)?", text.strip(), flags=re.IGNORECASE)
+        if not m:
+            raise ConfigurationError(
+                f"arch '{text}' is not of the form MAJOR.MINOR or MAJOR.MINOR+PTX (e.g. 12.0, 9.0+PTX)."
+            )
+        arch = cls(int(m.group(1)), int(m.group(2)), bool(m.group(3)))
+        if arch.name not in ARCH_MIN_CUDA:
+            raise ConfigurationError(
+                f"arch '{text}' is not a GPU arch this builder knows (known: {', '.join(ARCH_MIN_CUDA)})."
+                + did_you_mean(arch.name, ARCH_MIN_CUDA)
+            )
+        return arch
+
+    @property
+    def name(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+    @property
+    def sm(self) -> int:
+        """The number nvcc and the fatbin use: 12.0 -> 120."""
+        return self.major * 10 + self.minor
+
+    def __str__(self) -> str:
+        return self.name + ("+PTX" if self.ptx else "")
+
+    def gencode_flags(self) -> list[str]:
+        """nvcc flags: SASS for this arch, plus PTX when asked (JIT to later GPUs)."""
+        flags = ["-gencode", f"arch=compute_{self.sm},code=sm_{self.sm}"]
+        if self.ptx:
+            flags += ["-gencode", f"arch=compute_{self.sm},code=compute_{self.sm}"]
+        return flags
+
+    def min_cuda(self) -> Version:
+        return Version(ARCH_MIN_CUDA[self.name])
+
+
+@dataclass(frozen=True)
+class Toolkit:
+    """Where nvcc comes from for a target."""
+
+    name: str
+    kind: str  # "image" (CUDA devel image) or "pypi" (NVIDIA's wheels on a Debian base)
+    cuda: Version
+    builder_base: str
+    runtime_base: str
+    python: str
+    packages: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TorchPin:
+    name: str
+    version: str  # exact, local label included (2.11.0+cu128)
+    cuda: Version
+    index: str
+    lock: str  # folder under locks/
+
+    @property
+    def minor(self) -> str:
+        """'2.11': the ABI a C++ extension is tied to."""
+        v = Version(self.version)
+        return f"{v.major}.{v.minor}"
+
+    @property
+    def public(self) -> str:
+        return Version(self.version).public
+
+
+@dataclass(frozen=True)
+class ArchPatch:
+    file: str
+    variable: str
+    anchor: str
+
+
+@dataclass(frozen=True)
+class Replacement:
+    file: str
+    old: str
+    new: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build one CUDA extension from its pinned sdist (pure data)."""
+
+    key: str
+    name: str
+    version: str
+    sdist: str
+    url: str
+    sha256: str
+    modules: tuple[str, ...]
+    import_check: str
+    env: tuple[tuple[str, str], ...]
+    arch_patch: ArchPatch | None
+    replace: tuple[Replacement, ...] = ()
+    upstream_arches: tuple[Arch, ...] = ()
+
+    @property
+    def dist_name(self) -> str:
+        """The wheel's distribution name (PEP 427 escaping)."""
+        return re.sub(r"[-_.]+", "_", self.name).lower()
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    toolkit: Toolkit
+    torch: TorchPin
+    arches: tuple[Arch, ...]
+    recipes: tuple[Recipe, ...]
+
+    @property
+    def python(self) -> str:
+        return self.toolkit.python
+
+    @property
+    def cp_tag(self) -> str:
+        return "cp" + self.python.replace(".", "")
+
+    def local_version(self) -> str:
+        """The wheel's local version label: CUDA, torch and arches, e.g. cu130torch2.11sm120."""
+        cuda = f"cu{self.torch.cuda.major}{self.torch.cuda.minor}"
+        arches = "".join(f"sm{a.sm}" + ("ptx" if a.ptx else "") for a in self.arches)
+        return f"{cuda}torch{self.torch.minor}{arches}"
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: Path
+    default_target: str
+    targets: dict[str, Target] = field(default_factory=dict)
+
+    def target(self, name: str | None) -> Target:
+        name = name or self.default_target
+        if name not in self.targets:
+            raise ConfigurationError(
+                f"unknown target '{name}'." + did_you_mean(name, self.targets)
+                + f" Targets in {self.path.name}: {', '.join(sorted(self.targets))}."
+            )
+        return self.targets[name]
+
+    def recipe(self, key: str) -> Recipe:
+        for t in self.targets.values():
+            for r in t.recipes:
+                if r.key == key:
+                    return r
+        raise ConfigurationError(f"unknown recipe '{key}'.")
+
+
+def _check_keys(table: dict, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise ConfigurationError(
+                f"{where}: unknown key '{key}'." + did_you_mean(key, allowed)
+                + f" Allowed: {', '.join(sorted(allowed))}."
+            )
+
+
+def _need(table: dict, key: str, where: str):
+    if key not in table:
+        raise ConfigurationError(f"{where}: missing required key '{key}'.")
+    return table[key]
+
+
+def _version(text: str, where: str) -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise ConfigurationError(f"{where}: '{text}' is not a version.") from None
+
+
+def _load_recipe(key: str, t: dict) -> Recipe:
+    where = f"[recipes.{key}]"
+    _check_keys(t, {"name", "version", "sdist", "url", "sha256", "modules", "import_check", "env",
+                    "arch_patch", "replace", "upstream_arches"}, where)
+    sha = _need(t, "sha256", where)
+    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise ConfigurationError(f"{where}: sha256 '{sha}' is not 64 lowercase hex digits.")
+    patch = None
+    if "arch_patch" in t:
+        _check_keys(t["arch_patch"], {"file", "variable", "anchor"}, f"{where}.arch_patch")
+        patch = ArchPatch(**t["arch_patch"])
+    replace = []
+    for i, r in enumerate(t.get("replace", [])):
+        _check_keys(r, {"file", "old", "new", "count"}, f"{where}.replace[{i}]")
+        replace.append(Replacement(**r))
+    return Recipe(
+        key=key,
+        name=_need(t, "name", where),
+        version=_need(t, "version", where),
+        sdist=_need(t, "sdist", where),
+        url=_need(t, "url", where),
+        sha256=sha,
+        modules=tuple(_need(t, "modules", where)),
+        import_check=t.get("import_check", _need(t, "modules", where)[0]),
+        env=tuple(sorted((str(k), str(v)) for k, v in t.get("env", {}).items())),
+        arch_patch=patch,
+        replace=tuple(replace),
+        upstream_arches=tuple(Arch.parse(a) for a in t.get("upstream_arches", [])),
+    )
+
+
+def load(path: Path | str | None = None) -> Catalog:
+    """Load and validate targets.toml; every error names the table and key at fault."""
+    path = Path(path or DEFAULT_TARGETS_FILE)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigurationError(f"targets file {path} does not exist.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigurationError(f"{path}: not valid TOML: {e}.") from None
+    _check_keys(data, {"default_target", "toolkits", "torch", "targets", "recipes"}, path.name)
+
+    toolkits = {}
+    for name, t in data.get("toolkits", {}).items():
+        where = f"[toolkits.{name}]"
+        _check_keys(t, {"kind", "cuda", "builder_base", "runtime_base", "python", "packages"}, where)
+        kind = _need(t, "kind", where)
+        if kind not in ("image", "pypi"):
+            raise ConfigurationError(f"{where}: kind must be 'image' or 'pypi', not '{kind}'.")
+        toolkits[name] = Toolkit(
+            name=name, kind=kind, cuda=_version(_need(t, "cuda", where), where),
+            builder_base=_need(t, "builder_base", where), runtime_base=_need(t, "runtime_base", where),
+            python=_need(t, "python", where), packages=tuple(t.get("packages", ())),
+        )
+    torches = {}
+    for name, t in data.get("torch", {}).items():
+        where = f"[torch.{name}]"
+        _check_keys(t, {"version", "cuda", "index", "lock"}, where)
+        torches[name] = TorchPin(
+            name=name, version=_need(t, "version", where),
+            cuda=_version(_need(t, "cuda", where), where), index=_need(t, "index", where),
+            lock=_need(t, "lock", where),
+        )
+    recipes = {key: _load_recipe(key, t) for key, t in data.get("recipes", {}).items()}
+
+    targets = {}
+    for name, t in data.get("targets", {}).items():
+        where = f"[targets.{name}]"
+        _check_keys(t, {"description", "toolkit", "torch", "arches", "recipes"}, where)
+        tk_name, torch_name = _need(t, "toolkit", where), _need(t, "torch", where)
+        if tk_name not in toolkits:
+            raise ConfigurationError(f"{where}: toolkit '{tk_name}' is not defined." + did_you_mean(tk_name, toolkits))
+        if torch_name not in torches:
+            raise ConfigurationError(f"{where}: torch '{torch_name}' is not defined." + did_you_mean(torch_name, torches))
+        toolkit, torch = toolkits[tk_name], torches[torch_name]
+        arches = tuple(Arch.parse(a) for a in _need(t, "arches", where))
+        if not arches:
+            raise ConfigurationError(f"{where}: arches is empty; name at least one (e.g. \"12.0\").")
+        check_arches_compilable(arches, toolkit.cuda, where)
+        if toolkit.cuda.major != torch.cuda.major:
+            raise ConfigurationError(
+                f"{where}: toolkit CUDA {toolkit.cuda} and torch {torch.version} (CUDA {torch.cuda}) differ in "
+                "major version; torch.utils.cpp_extension refuses that. Pair a toolkit and a torch of one CUDA major."
+            )
+        missing = [r for r in _need(t, "recipes", where) if r not in recipes]
+        if missing:
+            raise ConfigurationError(f"{where}: recipe '{missing[0]}' is not defined." + did_you_mean(missing[0], recipes))
+        targets[name] = Target(
+            name=name, description=t.get("description", ""), toolkit=toolkit, torch=torch,
+            arches=arches, recipes=tuple(recipes[r] for r in t["recipes"]),
+        )
+    default = _need(data, "default_target", path.name)
+    catalog = Catalog(path=path, default_target=default, targets=targets)
+    catalog.target(default)  # the default must exist
+    return catalog
+
+
+def check_arches_compilable(arches, cuda: Version, where: str) -> None:
+    """Refuse an arch the toolkit's nvcc cannot compile (SM 12.0 needs CUDA >= 12.8)."""
+    for a in arches:
+        if Version(f"{cuda.major}.{cuda.minor}") < a.min_cuda():
+            raise ConfigurationError(
+                f"{where}: arch {a} needs CUDA >= {a.min_cuda()}, but the toolkit is CUDA {cuda}. "
+                "Use a newer toolkit, or drop the arch."
+            )
+
+
+def with_arches(target: Target, arch_text: str) -> Target:
+    """The same target with its arches overridden from a command line (`--arch 9.0,12.0`)."""
+    arches = tuple(Arch.parse(a) for a in arch_text.split(",") if a.strip())
+    if not arches:
+        raise ConfigurationError("--arch is empty; name at least one arch (e.g. 12.0).")
+    check_arches_compilable(arches, target.toolkit.cuda, f"--arch {arch_text}")
+    return Target(target.name, target.description, target.toolkit, target.torch, arches, target.recipes)
