@@ -1,0 +1,128 @@
+# dflash-images: the wheel builder and the slim runtime image `dflash-train`.
+#
+# Build through the project's CLI (`make wheels`, `make image`): it reads targets.toml and passes the
+# build args below, the host's CA bundle as the BuildKit secret `ca`, and --network=host. By hand:
+#   DOCKER_BUILDKIT=1 docker build --network=host --secret id=ca,src=/etc/ssl/certs/ca-certificates.crt \
+#     --build-arg TARGET=cu130-sm120 --build-arg TORCH_LOCK=cu130 \
+#     --build-arg BUILDER_BASE=dflash-base:bookworm --target wheels --output type=local,dest=out .
+# No `# syntax=` line on purpose: it makes BuildKit pull a frontend image, which offline hosts cannot.
+
+# Base images come from targets.toml ([toolkits.*].builder_base / runtime_base); these defaults are the
+# default target's (cu128-sm120).
+ARG BUILDER_BASE=nvidia/cuda:12.8.1-devel-ubuntu24.04
+ARG RUNTIME_BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
+
+###################################################################################################
+# toolkit: Python + the target's exact torch + (pypi toolkits) NVIDIA's CUDA wheels as CUDA_HOME
+###################################################################################################
+FROM ${BUILDER_BASE} AS toolkit
+# Folder under locks/ with the hash-pinned builder.txt / runtime.txt for the target's torch.
+ARG TORCH_LOCK=cu128
+# Keep apt quiet and non-interactive; the venv is the only Python environment packages go into.
+ENV DEBIAN_FRONTEND=noninteractive \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev g++ ccache ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+# torch and the toolkit wheels, hash-checked. The pip cache is a cache mount shared with the runtime
+# stage (same id), so the multi-GB CUDA wheels are downloaded once; the CA secret never enters a layer.
+RUN --mount=type=bind,source=locks,target=/src/locks \
+    --mount=type=cache,id=pip-${TORCH_LOCK},target=/root/.cache/pip \
+    --mount=type=secret,id=ca \
+    if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
+ && pip install --progress-bar off --require-hashes -r /src/locks/${TORCH_LOCK}/builder.txt
+
+###################################################################################################
+# wheel-build: fetch the pinned sdist, patch its arch flags, compile, repack deterministically, audit
+###################################################################################################
+FROM toolkit AS wheel-build
+ARG TARGET=cu128-sm120
+# Fixed so that the wheel's timestamps never depend on the build date (the Makefile passes the last
+# commit's time).
+ARG SOURCE_DATE_EPOCH=1735689600
+# Empty: sized from cores and free memory (wheelbuilder.toolkit.plan_jobs). Set to lower peak memory.
+ARG MAX_JOBS=
+ARG NVCC_THREADS=
+# Changing this re-runs the compile without touching other layers (the reproducibility check uses it).
+ARG REBUILD=0
+ENV SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH} \
+    CCACHE_DIR=/root/.cache/ccache \
+    WHEELBUILDER_CACHE=/root/.cache/wheelbuilder
+WORKDIR /src
+COPY targets.toml pyproject.toml ./
+COPY wheelbuilder ./wheelbuilder
+RUN --mount=type=cache,id=ccache-${TARGET},target=/root/.cache/ccache \
+    --mount=type=cache,id=wheelbuilder-sdist,target=/root/.cache/wheelbuilder \
+    --mount=type=secret,id=ca \
+    if [ -s /run/secrets/ca ]; then export SSL_CERT_FILE=/run/secrets/ca; fi; \
+    if [ -n "$MAX_JOBS" ]; then export MAX_JOBS; else unset MAX_JOBS; fi; \
+    if [ -n "$NVCC_THREADS" ]; then export NVCC_THREADS; else unset NVCC_THREADS; fi; \
+    echo "rebuild ${REBUILD}" >/dev/null \
+ && export CUDA_HOME="$(python -m wheelbuilder prepare-toolkit)" \
+ && python -m wheelbuilder build --target "$TARGET" --out /out --build-dir /build --log-dir /out/logs
+
+###################################################################################################
+# wheels: only the artifacts, for `--output type=local` (dist/wheels/<target>/)
+###################################################################################################
+FROM scratch AS wheels
+COPY --from=wheel-build /out/ /
+
+###################################################################################################
+# runtime: slim image with the locked torch, the audited wheels, fla, transformers and dflash
+###################################################################################################
+FROM ${RUNTIME_BASE} AS runtime
+ARG TARGET=cu128-sm120
+ARG TORCH_LOCK=cu128
+ARG GIT_REVISION=unknown
+ARG WHEEL_SHA256=unknown
+# Set to 0 only to build a deliberately broken image for tests of the health check.
+ARG BUILD_CHECK=1
+ENV DEBIAN_FRONTEND=noninteractive \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    DFLASH_TARGET=${TARGET} \
+    DFLASH_STATE_DIR=/tmp/dflash \
+    HF_HUB_OFFLINE=1
+# gcc + libc headers + Python headers: Triton compiles a small C launcher at first use (and nothing
+# else of a toolchain: no nvcc, no CUDA headers).
+RUN apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates tini \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+RUN --mount=type=bind,source=locks,target=/src/locks \
+    --mount=type=cache,id=pip-${TORCH_LOCK},target=/root/.cache/pip \
+    --mount=type=secret,id=ca \
+    if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
+ && pip install --progress-bar off --require-hashes -r /src/locks/${TORCH_LOCK}/runtime.txt
+# The project itself (pure Python; its dependencies are all in the lock above).
+COPY pyproject.toml README.md targets.toml /opt/dflash/src/
+COPY wheelbuilder /opt/dflash/src/wheelbuilder
+COPY images /opt/dflash/src/images
+COPY dflash /opt/dflash/src/dflash
+RUN pip install --no-deps --no-build-isolation --no-cache-dir /opt/dflash/src
+# The audited wheels: bind-mounted (never a layer), checked against their manifest's sha256 first.
+RUN --mount=type=bind,source=dist/wheels,target=/wheels \
+    python -m wheelbuilder verify --dir /wheels/${TARGET} \
+ && pip install --no-deps --no-cache-dir /wheels/${TARGET}/*.whl \
+ && mkdir -p /opt/dflash/wheels && cp /wheels/${TARGET}/manifest.json /opt/dflash/wheels/manifest.json
+# Check at build time what can be checked without a GPU: versions, the extension's import (ABI) and
+# its arch coverage.
+RUN if [ "$BUILD_CHECK" = 1 ]; then dflash doctor --quick; fi
+RUN useradd --create-home --uid 1000 --shell /bin/bash dflash
+USER dflash
+WORKDIR /home/dflash
+LABEL org.opencontainers.image.title="dflash-train" \
+      org.opencontainers.image.revision="${GIT_REVISION}" \
+      io.dflash.target="${TARGET}" \
+      io.dflash.torch-lock="${TORCH_LOCK}" \
+      io.dflash.wheel-sha256="${WHEEL_SHA256}"
+# The entrypoint runs the full doctor once in the background and keeps its verdict; the health check
+# only reads that verdict and the trainer's heartbeat, so it stays cheap.
+HEALTHCHECK --start-period=120s --interval=30s --timeout=20s --retries=1 CMD ["dflash", "healthcheck"]
+ENTRYPOINT ["tini", "--", "dflash", "entrypoint"]
+CMD []

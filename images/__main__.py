@@ -1,0 +1,73 @@
+"""`python -m images`: the image lifecycle from the command line (the Makefile's targets call this).
+
+    python -m images engine                     make sure a Docker engine with BuildKit runs
+    python -m images base                       bootstrap dflash-base:bookworm from a Debian mirror
+    python -m images wheels --target T          builder stage -> dist/wheels/T/ (wheels + manifest.json)
+    python -m images image --target T           runtime image dflash-train:T from those wheels
+    python -m images export ... / push ...      OCI archive or LXC template; ship to a Proxmox host
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from wheelbuilder.errors import FatalError
+
+# Modules that add their own subcommands through `register(subparsers)`.
+SUBCOMMAND_MODULES = ("images.build", "images.export", "images.push")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m images", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("engine", help="make sure a Docker engine with BuildKit runs (starts one as root)")
+    e.set_defaults(func=_engine)
+    b = sub.add_parser("base", help="bootstrap the offline Debian base image", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--tag", default="dflash-base:bookworm", help="image tag to create")
+    b.add_argument("--suite", default="bookworm", help="Debian suite")
+    b.add_argument("--mirror", default=None, help="Debian mirror (default: $DEBIAN_MIRROR or deb.debian.org)")
+    b.add_argument("--force", action="store_true", help="rebuild even if the tag exists")
+    b.set_defaults(func=_base)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue
+        module.register(sub)
+    return p
+
+
+def _engine(args) -> int:
+    from .engine import docker_cli, ensure_engine
+
+    ensure_engine()
+    print(f"engine running; builds use {docker_cli()}")
+    return 0
+
+
+def _base(args) -> int:
+    from .base import DEFAULT_MIRROR, bootstrap
+
+    print(bootstrap(args.tag, args.suite, args.mirror or DEFAULT_MIRROR, force=args.force))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FatalError as e:
+        print(f"images: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("images: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

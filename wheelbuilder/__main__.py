@@ -1,0 +1,120 @@
+"""`python -m wheelbuilder`: list targets, show a build plan, build natively, audit, regenerate locks.
+
+    python -m wheelbuilder list
+    python -m wheelbuilder build --target cu130-sm120 [--arch 12.0] [--out DIR] [--dry-run]
+    python -m wheelbuilder audit --target cu130-sm120 dist/wheels/cu130-sm120/*.whl
+    python -m wheelbuilder lock
+    python -m wheelbuilder prepare-toolkit      (inside the builder stage: pip CUDA layout -> CUDA_HOME)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import targets as tg
+from .errors import FatalError
+
+DIST = tg.REPO_ROOT / "dist" / "wheels"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wheelbuilder", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets-file", type=Path, default=tg.DEFAULT_TARGETS_FILE, help="targets file (default: %(default)s)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("list", help="list the targets with their pins").add_argument("--json", action="store_true", help="print JSON")
+
+    b = sub.add_parser("build", help="build a target's wheels natively (needs nvcc and the target's torch here)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--target", default=None, help="target name from targets.toml (default: its default_target)")
+    b.add_argument("--arch", default=None, help="override the target's arches, e.g. 9.0,12.0+PTX")
+    b.add_argument("--out", type=Path, default=None, help="output directory (default: dist/wheels/<target>)")
+    b.add_argument("--build-dir", type=Path, default=Path("/tmp/wheelbuilder"),
+                   help="fixed directory the sources are unpacked and compiled in (paths end up in the objects)")
+    b.add_argument("--log-dir", type=Path, default=None, help="where build logs go (default: the output directory)")
+    b.add_argument("--dry-run", action="store_true", help="check the toolchain and print the plan, build nothing")
+
+    a = sub.add_parser("audit", help="audit built wheels against a target")
+    a.add_argument("--target", default=None, help="target name (default: the default target)")
+    a.add_argument("wheels", nargs="+", type=Path, help="wheel files")
+    a.add_argument("--json", action="store_true", help="print JSON")
+
+    lk = sub.add_parser("lock", help="regenerate locks/ from targets.toml and locks/*.in (needs uv)")
+    lk.add_argument("--only", default=None, help="one lock folder (e.g. cu130) or 'dev'")
+
+    sub.add_parser("prepare-toolkit", help="make NVIDIA's pip CUDA wheels usable as CUDA_HOME and print it")
+    return p
+
+
+def main_inner(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    catalog = tg.load(args.targets_file)
+    if args.command == "list":
+        rows = [{"target": t.name, "default": t.name == catalog.default_target, "cuda": str(t.toolkit.cuda),
+                 "toolkit": t.toolkit.kind, "torch": t.torch.version, "python": t.python,
+                 "arches": [str(a) for a in t.arches], "recipes": [r.key for r in t.recipes],
+                 "description": t.description} for t in catalog.targets.values()]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                star = "*" if r["default"] else " "
+                print(f"{star} {r['target']:<14} CUDA {r['cuda']:<7} torch {r['torch']:<14} py{r['python']:<5} "
+                      f"arches {','.join(r['arches']):<10} {r['description']}")
+        return 0
+    if args.command == "build":
+        from .build import build_target
+
+        target = catalog.target(args.target)
+        if args.arch:
+            target = tg.with_arches(target, args.arch)
+        out = args.out or DIST / target.name
+        build_target(target, out, build_root=args.build_dir, log_dir=args.log_dir, dry_run=args.dry_run)
+        return 0
+    if args.command == "audit":
+        from .audit import audit_wheel
+
+        target = catalog.target(args.target)
+        reports = []
+        for wheel in args.wheels:
+            recipe = next((r for r in target.recipes if wheel.name.startswith(r.dist_name + "-")), None)
+            if recipe is None:
+                raise FatalError(f"{wheel.name} is not a wheel of any recipe of {target.name}.")
+            reports.append(audit_wheel(wheel, target, recipe).to_dict())
+        print(json.dumps(reports, indent=2) if args.json else "\n".join(f"ok  {w}" for w in args.wheels))
+        return 0
+    if args.command == "lock":
+        from .lock import lock_all
+
+        for path in lock_all(catalog, args.only):
+            print(f"wrote {path.relative_to(tg.REPO_ROOT)}")
+        return 0
+    if args.command == "prepare-toolkit":
+        from .toolkit import find_cuda_home, pip_cuda_home, prepare_pip_cuda_home
+
+        home = pip_cuda_home()
+        if home:
+            for made in prepare_pip_cuda_home(home):
+                print(f"linked {made}", file=sys.stderr)
+        print(find_cuda_home())
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return main_inner(argv)
+    except FatalError as e:
+        print(f"wheelbuilder: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("wheelbuilder: interrupted; nothing was written to the output directory.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

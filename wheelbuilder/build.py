@@ -1,0 +1,222 @@
+"""Build a target's wheels: check -> fetch -> patch -> compile -> repack -> audit -> publish.
+
+Nothing reaches the output directory until the wheel has passed its audit; an interrupted or failed
+build leaves only its staging directory (removed on the way out) and its log.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import recipes as rcp
+from .cmd import echo, run
+from .errors import BuildError, BusyError
+from .targets import Recipe, Target
+from .toolkit import Toolchain, check_toolchain, plan_jobs
+
+DEFAULT_BUILD_ROOT = Path("/tmp/wheelbuilder")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a build will do, printable before it starts (`--dry-run`)."""
+
+    target: str
+    recipes: list[str]
+    arches: list[str]
+    local_version: str
+    python: str
+    torch: str
+    cuda_home: str
+    nvcc: str
+    max_jobs: int
+    nvcc_threads: int
+    build_dir: str
+    out_dir: str
+    source_date_epoch: int
+
+    def describe(self) -> str:
+        rows = [(k, ", ".join(v) if isinstance(v, list) else str(v)) for k, v in asdict(self).items()]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH from the environment (the Makefile sets it from the last commit), else a
+    fixed date, so that a build never embeds the current time."""
+    return int(os.environ.get("SOURCE_DATE_EPOCH", "1735689600"))  # 2025-01-01T00:00:00Z
+
+
+def make_plan(target: Target, out_dir: Path, build_root: Path, toolchain: Toolchain) -> Plan:
+    jobs, threads = plan_jobs(files=4)
+    return Plan(
+        target=target.name, recipes=[f"{r.name} {r.version}" for r in target.recipes],
+        arches=[str(a) for a in target.arches], local_version=target.local_version(),
+        python=toolchain.python, torch=f"{toolchain.torch_version} (CUDA {toolchain.torch_cuda})",
+        cuda_home=str(toolchain.cuda_home), nvcc=str(toolchain.nvcc_version), max_jobs=jobs,
+        nvcc_threads=threads, build_dir=str(build_root), out_dir=str(out_dir),
+        source_date_epoch=source_date_epoch(),
+    )
+
+
+@contextmanager
+def exclusive(out_dir: Path):
+    """One build per output directory at a time: a second `make wheels` fails fast instead of
+    interleaving writes into the same dist/ folder."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = out_dir / ".build.lock"
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BusyError(
+                f"another build is writing to {out_dir} (lock {lock_path} is held). Wait for it to finish; "
+                "two builds of one target at once would overwrite each other."
+            ) from None
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+
+
+class _Progress:
+    """Turns ninja's `[k/N] ...` lines into a progress bar; everything else goes only to the log."""
+
+    NINJA = re.compile(r"^\[(\d+)/(\d+)\]")
+
+    def __init__(self, label: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=None, desc=label, unit="obj", file=sys.stderr, dynamic_ncols=True)
+        self.killed = False
+
+    def __call__(self, line: str) -> None:
+        if m := self.NINJA.match(line):
+            self.bar.total = int(m.group(2))
+            self.bar.n = int(m.group(1)) - 1
+            self.bar.set_postfix_str(line.split()[-1][-40:])
+            self.bar.refresh()
+        if "Killed" in line or "signal 9" in line or "std::bad_alloc" in line:
+            self.killed = True
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def compile_recipe(recipe: Recipe, target: Target, toolchain: Toolchain, plan: Plan, src: Path, stage: Path,
+                   log: Path) -> Path:
+    """pip wheel --no-build-isolation --no-deps in the patched tree; returns the raw wheel."""
+    env = dict(os.environ)
+    env.update(rcp.recipe_env(recipe, target))
+    env.update({
+        "CUDA_HOME": str(toolchain.cuda_home),
+        "PATH": f"{toolchain.cuda_home}/bin:{env.get('PATH', '')}",
+        "MAX_JOBS": str(plan.max_jobs),
+        "NVCC_THREADS": str(plan.nvcc_threads),
+        "SOURCE_DATE_EPOCH": str(plan.source_date_epoch),
+        # -objtemp names nvcc's intermediate files after the object instead of tmpxft_<pid>_..., whose
+        # pid otherwise lands in .nv_fatbin and changes every build (DESIGN.md §4, measured here).
+        "NVCC_APPEND_FLAGS": (env.get("NVCC_APPEND_FLAGS", "") + " -objtemp").strip(),
+        "PIP_NO_INPUT": "1",
+        "PYTHONHASHSEED": "0",
+    })
+    env.pop("TORCH_CUDA_ARCH_LIST", None)  # the arch patch decides; an inherited list would only confuse
+    if shutil.which("ccache") and not os.environ.get("WHEELBUILDER_NO_CCACHE"):
+        env["PYTORCH_NVCC"] = f"ccache {toolchain.cuda_home}/bin/nvcc"
+        env["CXX"] = "ccache " + env.get("CXX", "c++")
+        env.setdefault("CCACHE_BASEDIR", str(src))
+        env.setdefault("CCACHE_NOHASHDIR", "1")
+    raw = stage / "raw"
+    raw.mkdir()
+    progress = _Progress(f"{recipe.name} {target.local_version()}")
+    started = time.monotonic()
+    try:
+        run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir",
+             "--disable-pip-version-check", "-v", "-w", str(raw), str(src)],
+            cwd=src, env=env, log=log, on_line=progress, quiet=False)
+    except BuildError as e:
+        if progress.killed:
+            raise BuildError(
+                f"the compiler was killed, most likely for lack of memory (MAX_JOBS={plan.max_jobs}, "
+                f"NVCC_THREADS={plan.nvcc_threads}). Retry with fewer parallel jobs, e.g. "
+                f"`MAX_JOBS=1 NVCC_THREADS=1 make wheels TARGET={target.name}`. Log: {log}"
+            ) from None
+        raise
+    finally:
+        progress.close()
+    echo(f"compiled {recipe.name} in {time.monotonic() - started:.0f} s")
+    wheels = sorted(raw.glob("*.whl"))
+    if len(wheels) != 1:
+        raise BuildError(f"expected one wheel from {recipe.name}, found {[w.name for w in wheels]}. Log: {log}")
+    return wheels[0]
+
+
+def build_info(recipe: Recipe, target: Target, toolchain: Toolchain, plan: Plan) -> dict:
+    """Recorded inside the wheel (dist-info/wheelbuilder.json): what it was built for and with."""
+    return {
+        "target": target.name,
+        "recipe": recipe.key,
+        "version": f"{recipe.version}+{target.local_version()}",
+        "source": {"url": recipe.url, "sha256": recipe.sha256},
+        "torch": target.torch.version,
+        "torch_minor": target.torch.minor,
+        "cuda": str(target.torch.cuda),
+        "arches": [str(a) for a in target.arches],
+        "python": target.python,
+        "nvcc": str(toolchain.nvcc_version),
+        "source_date_epoch": plan.source_date_epoch,
+    }
+
+
+def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BUILD_ROOT,
+                 log_dir: Path | None = None, dry_run: bool = False) -> list[dict]:
+    """Build every recipe of `target` into `out_dir`; returns the manifest entries written."""
+    toolchain = check_toolchain(target)
+    plan = make_plan(target, out_dir, build_root, toolchain)
+    echo(f"build plan for {target.name}:\n{plan.describe()}")
+    if dry_run:
+        return []
+    from .audit import audit_wheel
+    from .manifest import WheelRecord, write_manifest
+    from .wheelfile import repack_deterministic, wheel_sha256
+
+    log_dir = log_dir or out_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    with exclusive(out_dir):
+        for recipe in target.recipes:
+            started = time.monotonic()
+            log = log_dir / f"{recipe.key}.log"
+            log.write_text(f"wheelbuilder: {recipe.name} {recipe.version} for {target.name}\n{plan.describe()}\n")
+            echo(f"log: {log}")
+            sdist = rcp.fetch_sdist(recipe)
+            src = rcp.unpack(sdist, build_root / target.name / f"{recipe.dist_name}-{recipe.version}")
+            for edit in rcp.apply_patches(src, recipe, target.arches):
+                echo(f"patched {edit}")
+            stage = rcp.stage_dir(out_dir, ".staging-")
+            try:
+                raw = compile_recipe(recipe, target, toolchain, plan, src, stage, log)
+                info = build_info(recipe, target, toolchain, plan)
+                wheel = repack_deterministic(
+                    raw, stage, extra_files={"wheelbuilder.json": json.dumps(info, indent=2, sort_keys=True).encode() + b"\n"},
+                    source_date_epoch=plan.source_date_epoch)
+                report = audit_wheel(wheel, target, recipe)
+                final = out_dir / wheel.name
+                os.replace(wheel, final)  # same filesystem: atomic
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+            record = WheelRecord.from_build(
+                wheel=final, recipe=recipe, target=target, report=report, toolchain=toolchain,
+                build_seconds=round(time.monotonic() - started, 1), source_date_epoch=plan.source_date_epoch)
+            write_manifest(out_dir, [record])
+            echo(f"wrote {final.name}  {final.stat().st_size / 1e6:.1f} MB  sha256 {wheel_sha256(final)}")
+            entries.append(record)
+    return entries

@@ -1,0 +1,176 @@
+"""Find and check the toolchain a build will use: CUDA_HOME/nvcc, torch, Python, host compiler, and
+how many compile jobs the machine can afford.
+
+All checks run before anything is downloaded or compiled, so a wrong toolchain fails in seconds with
+a message that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from .errors import ToolchainError
+from .targets import Target
+
+GIB = 1 << 30
+# Peak resident memory of one nvcc/cicc job on causal-conv1d-sized sources (flash-attn PR #2079
+# measured 3-5 GB per thread on larger kernels; 3 GB is ample here and keeps 2-core machines busy).
+MEM_PER_JOB = 3 * GIB
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    cuda_home: Path
+    nvcc_version: Version
+    torch_version: str
+    torch_cuda: Version
+    python: str
+    cxx: str
+
+
+def pip_cuda_home() -> Path | None:
+    """site-packages/nvidia/cu13 when NVIDIA's CUDA 13 wheels (nvidia-cuda-nvcc etc.) are installed."""
+    spec = importlib.util.find_spec("nvidia")
+    if not spec or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        for cand in sorted(Path(root).glob("cu1*"), reverse=True):
+            if (cand / "bin" / "nvcc").exists():
+                return cand
+    return None
+
+
+def prepare_pip_cuda_home(home: Path) -> list[str]:
+    """Make the pip layout usable as CUDA_HOME for torch.utils.cpp_extension (DESIGN.md §4):
+    it looks in lib64 and links -lcudart, which the wheels ship only as lib/ and libcudart.so.13."""
+    made = []
+    if not (home / "lib64").exists():
+        (home / "lib64").symlink_to("lib")
+        made.append("lib64 -> lib")
+    libs = sorted((home / "lib").glob("libcudart.so.*"))
+    if libs and not (home / "lib" / "libcudart.so").exists():
+        (home / "lib" / "libcudart.so").symlink_to(libs[0].name)
+        made.append(f"lib/libcudart.so -> {libs[0].name}")
+    return made
+
+
+def find_cuda_home() -> Path:
+    """CUDA_HOME from the environment, NVIDIA's pip wheels, /usr/local/cuda or nvcc on PATH."""
+    candidates: list[Path] = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]))
+    pip_home = pip_cuda_home()
+    if pip_home:
+        candidates.append(pip_home)
+    candidates.append(Path("/usr/local/cuda"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
+    for home in candidates:
+        if (home / "bin" / "nvcc").exists():
+            return home
+    raise ToolchainError(
+        "no CUDA toolkit found: nvcc is not in $CUDA_HOME, NVIDIA's pip wheels, /usr/local/cuda or on PATH. "
+        "A native build needs nvcc on this machine; to build without one, use the builder image: "
+        "`make wheels TARGET=<target>` (Docker)."
+    )
+
+
+def nvcc_version(cuda_home: Path) -> Version:
+    out = subprocess.run([str(cuda_home / "bin" / "nvcc"), "--version"], capture_output=True, text=True)
+    m = re.search(r"release (\d+\.\d+), V(\d+\.\d+\.\d+)", out.stdout)
+    if out.returncode != 0 or not m:
+        raise ToolchainError(f"{cuda_home}/bin/nvcc --version failed or printed no release: {out.stdout}{out.stderr}")
+    return Version(m.group(2))
+
+
+def cxx_version() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    if not shutil.which(cxx):
+        raise ToolchainError(f"no C++ compiler '{cxx}' on PATH; install g++ (Debian: apt-get install g++).")
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+
+
+def installed_torch() -> tuple[str, Version | None]:
+    """(torch.__version__, torch.version.cuda) of this interpreter, without importing torch twice."""
+    try:
+        import torch
+    except ImportError:
+        raise ToolchainError(
+            f"torch is not installed in {sys.executable}. A native build compiles against the target's "
+            "exact torch: install it from locks/<lock>/builder.txt, or build in Docker with `make wheels`."
+        ) from None
+    return torch.__version__, Version(torch.version.cuda) if torch.version.cuda else None
+
+
+def check_toolchain(target: Target) -> Toolchain:
+    """Every check that can fail before the expensive part; returns the resolved toolchain."""
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if py != target.python:
+        raise ToolchainError(
+            f"target {target.name} builds for Python {target.python}, but this is Python {py} ({sys.executable}). "
+            f"Run with python{target.python}, or use `make wheels TARGET={target.name}` (Docker)."
+        )
+    torch_version, torch_cuda = installed_torch()
+    if Version(torch_version).public != target.torch.public or torch_cuda is None:
+        raise ToolchainError(
+            f"target {target.name} pins torch {target.torch.version} (CUDA {target.torch.cuda}), but this "
+            f"interpreter has torch {torch_version} (CUDA {torch_cuda}). A C++ extension only works with the torch "
+            f"minor it was built against; install the pinned torch (locks/{target.torch.lock}/builder.txt)."
+        )
+    if (torch_cuda.major, torch_cuda.minor) != (target.torch.cuda.major, target.torch.cuda.minor):
+        raise ToolchainError(
+            f"torch {torch_version} is built for CUDA {torch_cuda}, the target expects CUDA {target.torch.cuda}; "
+            f"install torch from {target.torch.index}."
+        )
+    home = find_cuda_home()
+    nvcc = nvcc_version(home)
+    if nvcc.major != torch_cuda.major:
+        raise ToolchainError(
+            f"nvcc at {home} is CUDA {nvcc}, torch {torch_version} is CUDA {torch_cuda}: the major versions differ "
+            "and torch.utils.cpp_extension refuses that. Point CUDA_HOME at a CUDA "
+            f"{torch_cuda.major}.x toolkit, or pick a target whose torch matches this nvcc."
+        )
+    for arch in target.arches:
+        if Version(f"{nvcc.major}.{nvcc.minor}") < arch.min_cuda():
+            raise ToolchainError(
+                f"nvcc {nvcc} at {home} cannot compile arch {arch} (needs CUDA >= {arch.min_cuda()}). "
+                "Use a newer toolkit or drop the arch."
+            )
+    return Toolchain(home, nvcc, torch_version, torch_cuda, py, cxx_version())
+
+
+def mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GIB
+
+
+def plan_jobs(cores: int | None = None, mem: int | None = None, files: int = 4) -> tuple[int, int]:
+    """(MAX_JOBS, NVCC_THREADS) sized from cores and free memory.
+
+    Each nvcc job with T threads compiles T arches at once, each costing ~MEM_PER_JOB; the total
+    thread count is kept <= cores and total memory <= 80 % of what is available."""
+    cores = cores or os.cpu_count() or 1
+    budget = max(1, int((mem if mem is not None else mem_available()) * 0.8 // MEM_PER_JOB))
+    workers = max(1, min(cores, budget))
+    jobs = max(1, min(files, workers))
+    threads = max(1, workers // jobs)
+    if env_jobs := os.environ.get("MAX_JOBS"):
+        jobs = int(env_jobs)
+    if env_threads := os.environ.get("NVCC_THREADS"):
+        threads = int(env_threads)
+    return jobs, threads
