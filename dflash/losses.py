@@ -1,0 +1,92 @@
+"""The DFlash training loss: position-weighted cross-entropy over the masked block positions.
+
+A block is [anchor, MASK x (bs-1)]; position k = 1..bs-1 is trained to predict the token k steps after
+the anchor. Speculative decoding accepts a prefix, so an early position matters more than a late one
+(a miss at k makes every later position worthless): position k gets weight w_k = exp(-(k-1)/gamma).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# gamma per block size from the upstream recipes (SpecForge --loss-decay-gamma): 16 -> 7, 10 -> 5, 8 -> 4.
+_KNOWN_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma for `block_size`: the upstream value where one exists, else the line through them.
+
+    Between the known points gamma is interpolated linearly; below 8 it is bs/2 (the 8 -> 4 ratio),
+    above 16 it grows by 1/3 per position (the slope between 10 and 16).
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (an anchor and at least one masked token), got {block_size}")
+    if block_size in _KNOWN_GAMMA:
+        return _KNOWN_GAMMA[block_size]
+    if block_size < 8:
+        return block_size / 2
+    if block_size > 16:
+        return 7.0 + (block_size - 16) / 3
+    lo = max(k for k in _KNOWN_GAMMA if k < block_size)
+    hi = min(k for k in _KNOWN_GAMMA if k > block_size)
+    t = (block_size - lo) / (hi - lo)
+    return _KNOWN_GAMMA[lo] + t * (_KNOWN_GAMMA[hi] - _KNOWN_GAMMA[lo])
+
+
+def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """[bs-1] float32: w_k = exp(-(k-1)/gamma) for block positions k = 1..bs-1 (w_1 = 1)."""
+    gamma = default_gamma(block_size) if gamma is None else float(gamma)
+    if not gamma > 0 or math.isinf(gamma):
+        raise ValueError(f"gamma must be a positive finite number, got {gamma}")
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def dflash_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    gamma: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted CE of block positions 1..bs-1; returns (loss scalar, stats).
+
+    logits: [B,N,bs,V] drafter logits for every block token (position 0, the anchor, is not scored)
+    labels: [B,N,bs-1] long, the token at anchor+k for k = 1..bs-1
+    valid:  [B,N,bs-1] bool, False where the label is padding, past the end, or not supervised
+    loss  = sum(w_k * CE * valid) / sum(w_k * valid)   (0 with a graph when nothing is valid)
+    stats = {"acc_per_pos": [bs-1] top-1 accuracy per position (0 where no valid label),
+             "acc": top-1 accuracy over all valid labels, "n_valid": number of valid labels,
+             "tau_est": 1 + mean accepted prefix over fully valid blocks (what greedy verification would
+                        accept from these blocks; 0.0 when no block is fully valid)}
+    """
+    B, N, bs, V = logits.shape
+    if labels.shape != (B, N, bs - 1) or valid.shape != (B, N, bs - 1):
+        raise ValueError(
+            f"labels and valid must be [B,N,bs-1]={B, N, bs - 1} for logits {tuple(logits.shape)}; got "
+            f"{tuple(labels.shape)} and {tuple(valid.shape)}")
+    scored = logits[:, :, 1:, :]                                                    # [B,N,bs-1,V]
+    valid = valid.bool()
+    weights = position_weights(bs, gamma).to(logits.device)                        # [bs-1]
+    w = weights.expand(B, N, bs - 1) * valid                                       # [B,N,bs-1]
+
+    # CE only where valid: labels elsewhere may be padding ids outside the vocabulary.
+    ce = torch.zeros(B, N, bs - 1, dtype=torch.float32, device=logits.device)
+    if valid.any():
+        ce[valid] = F.cross_entropy(scored[valid].float(), labels[valid], reduction="none")
+    denom = w.sum()
+    loss = (ce * w).sum() / denom if denom > 0 else scored.sum() * 0.0
+
+    with torch.no_grad():
+        correct = (scored.argmax(-1) == labels) & valid                            # [B,N,bs-1]
+        n_per_pos = valid.sum(dim=(0, 1))
+        acc_per_pos = correct.sum(dim=(0, 1)).float() / n_per_pos.clamp(min=1)
+        n_valid = int(valid.sum())
+        full = valid.all(dim=-1)                                                   # [B,N]
+        prefix = correct.long().cumprod(dim=-1).sum(dim=-1)                        # [B,N]
+        tau_est = float(1 + prefix[full].float().mean()) if full.any() else 0.0
+        stats = {"acc_per_pos": acc_per_pos.cpu(), "acc": float(correct.sum()) / max(1, n_valid),
+                 "n_valid": n_valid, "tau_est": tau_est}
+    return loss, stats

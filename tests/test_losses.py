@@ -1,0 +1,89 @@
+"""dflash_loss against a per-position loop; the weight formula and gamma rule."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.losses import default_gamma, dflash_loss, position_weights
+
+
+def test_default_gamma_known_values_and_rule():
+    assert default_gamma(16) == 7 and default_gamma(8) == 4 and default_gamma(10) == 5
+    assert default_gamma(4) == 2 and default_gamma(13) == 6 and default_gamma(19) == 8
+    values = [default_gamma(bs) for bs in range(2, 40)]
+    assert values == sorted(values)  # never shrinks as blocks grow
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        default_gamma(1)
+
+
+def test_position_weights_formula():
+    w = position_weights(16)
+    assert w.shape == (15,)
+    for k in range(1, 16):
+        assert w[k - 1].item() == pytest.approx(math.exp(-(k - 1) / 7))
+    assert position_weights(8, gamma=2.0)[3].item() == pytest.approx(math.exp(-1.5))
+    with pytest.raises(ValueError, match="gamma must be a positive"):
+        position_weights(8, gamma=0)
+
+
+def naive_loss(logits, labels, valid, gamma):
+    B, N, bs, V = logits.shape
+    num, den = 0.0, 0.0
+    correct = [0] * (bs - 1)
+    count = [0] * (bs - 1)
+    for b in range(B):
+        for n in range(N):
+            for k in range(1, bs):
+                if not valid[b, n, k - 1]:
+                    continue
+                w = math.exp(-(k - 1) / gamma)
+                ce = F.cross_entropy(logits[b, n, k].double().unsqueeze(0), labels[b, n, k - 1].unsqueeze(0))
+                num += w * ce.item()
+                den += w
+                count[k - 1] += 1
+                correct[k - 1] += int(logits[b, n, k].argmax() == labels[b, n, k - 1])
+    return num / den, [c / max(1, n) for c, n in zip(correct, count)], sum(count), sum(correct)
+
+
+@pytest.mark.parametrize("bs,gamma", [(16, None), (8, None), (5, 1.5)])
+def test_loss_matches_per_position_loop(bs, gamma):
+    g = torch.Generator().manual_seed(bs)
+    B, N, V = 2, 3, 11
+    logits = torch.randn(B, N, bs, V, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (B, N, bs - 1), generator=g)
+    valid = torch.rand(B, N, bs - 1, generator=g) > 0.3
+    labels[~valid] = -100  # padding ids outside the vocabulary must be ignored, not crash
+    loss, stats = dflash_loss(logits, labels, valid, gamma)
+    ref, acc_pos, n_valid, n_correct = naive_loss(logits.detach(), labels, valid, gamma or default_gamma(bs))
+    assert loss.item() == pytest.approx(ref, rel=1e-5)
+    assert stats["n_valid"] == n_valid
+    assert stats["acc"] == pytest.approx(n_correct / n_valid)
+    assert stats["acc_per_pos"].tolist() == pytest.approx(acc_pos)
+    loss.backward()
+    assert logits.grad[:, :, 0].abs().sum() == 0  # the anchor position is never scored
+    assert logits.grad.abs().sum() > 0
+
+
+def test_tau_estimate_counts_the_accepted_prefix():
+    V, bs = 5, 4
+    labels = torch.tensor([[[1, 2, 3], [1, 2, 3]]])
+    logits = torch.full((1, 2, bs, V), -10.0)
+    for n, guesses in enumerate([[1, 2, 0], [0, 2, 3]]):  # block 0: 2 right then wrong; block 1: first wrong
+        for k, tok in enumerate(guesses):
+            logits[0, n, k + 1, tok] = 10.0
+    _, stats = dflash_loss(logits, labels, torch.ones(1, 2, 3, dtype=torch.bool))
+    assert stats["tau_est"] == pytest.approx(1 + (2 + 0) / 2)
+
+
+def test_nothing_valid_gives_zero_loss_with_graph():
+    logits = torch.randn(1, 2, 4, 7, requires_grad=True)
+    loss, stats = dflash_loss(logits, torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 3, dtype=torch.bool))
+    assert loss.item() == 0 and stats["n_valid"] == 0 and stats["tau_est"] == 0.0
+    loss.backward()
+
+
+def test_shape_mismatch_is_named():
+    with pytest.raises(ValueError, match=r"labels and valid must be \[B,N,bs-1\]"):
+        dflash_loss(torch.randn(1, 2, 4, 7), torch.zeros(1, 2, 4, dtype=torch.long), torch.ones(1, 2, 4, dtype=torch.bool))
