@@ -1,0 +1,285 @@
+"""Send an artifact to a host over SSH: resumable, checksummed on the host, renamed into place atomically.
+
+Why paramiko rather than the `ssh`/`rsync` binaries: SFTP gives byte offsets (stat the partial, append
+from its size), a callback per chunk (tqdm progress with rate and ETA) and POSIX rename, with no shell
+quoting of file names and no dependency on rsync being installed on the host; host keys are checked
+against known_hosts in-process with a strict policy, and failures arrive as typed exceptions.
+
+On the host, for a file NAME in DIR:
+
+    DIR/.NAME.partial   grows while sending; kept when the client dies, so the next run appends to it
+                        (after checking that its bytes are a prefix of the local file)
+    DIR/NAME            appears only by `rename(.NAME.partial, NAME)` after `sha256sum` on the host
+                        matched: a half-written or corrupt file never carries the real name
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+from tqdm import tqdm
+
+from wheelbuilder.errors import FatalError
+
+CHUNK = 1 << 20
+SPACE_MARGIN = 64 << 20  # keep this much free on the host after the upload
+
+
+class TransferError(FatalError):
+    """The host could not be reached or refused, or the upload failed or did not verify."""
+
+    exit_code = 10
+
+
+class HostKeyError(TransferError):
+    exit_code = 11
+
+
+@dataclass(frozen=True)
+class RunResult:
+    argv: str
+    rc: int
+    stdout: str
+    stderr: str
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """'root@pve' -> ('root', 'pve'); a bare host means root (pct needs root)."""
+    user, _, host = target.rpartition("@")
+    if not host:
+        raise TransferError(f"--host '{target}' names no host; use USER@HOST, e.g. root@pve.")
+    return user or "root", host
+
+
+class SshHost:
+    """One SSH connection to a host: run commands, and an SFTP channel for files."""
+
+    def __init__(self, target: str, *, port: int = 22, identity: str | None = None,
+                 known_hosts: str | None = None, accept_new_host_key: bool = False,
+                 compress: bool = False, timeout: float = 15.0):
+        self.user, self.hostname = parse_target(target)
+        self.port = port
+        self.client = paramiko.SSHClient()
+        known = Path(known_hosts or Path.home() / ".ssh" / "known_hosts").expanduser()
+        if known_hosts is None:
+            try:
+                self.client.load_system_host_keys()
+            except OSError:
+                pass
+        if known.exists():
+            self.client.load_host_keys(str(known))
+        elif accept_new_host_key:
+            known.parent.mkdir(parents=True, exist_ok=True)
+            known.touch()
+            self.client.load_host_keys(str(known))
+        # Unknown keys are refused unless asked; a *changed* key is always refused by paramiko
+        # (BadHostKeyException), like OpenSSH's StrictHostKeyChecking=accept-new.
+        self.client.set_missing_host_key_policy(
+            paramiko.AutoAddPolicy() if accept_new_host_key else paramiko.RejectPolicy())
+        try:
+            self.client.connect(self.hostname, port=port, username=self.user, key_filename=identity,
+                                timeout=timeout, compress=compress, allow_agent=identity is None,
+                                look_for_keys=identity is None)
+        except paramiko.BadHostKeyException as e:
+            raise HostKeyError(
+                f"the host key of {self.hostname}:{port} does not match the one in {known} ({e}). This may "
+                "be an attack or a reinstalled host; check it and fix known_hosts (ssh-keygen -R HOST)."
+            ) from None
+        except paramiko.SSHException as e:
+            if "not found in known_hosts" in str(e):
+                raise HostKeyError(
+                    f"{self.hostname}:{port} is not in {known}, so its identity cannot be checked. Add its key "
+                    f"(ssh -p {port} {target} once, or ssh-keyscan) or pass --accept-new-host-key to trust "
+                    "and record it on first use."
+                ) from None
+            raise TransferError(f"SSH to {target} port {port} failed: {e}") from None
+        except (OSError, socket.timeout) as e:
+            raise TransferError(f"cannot connect to {target} port {port}: {e}. Is sshd running there?") from None
+        if accept_new_host_key:
+            self.client.save_host_keys(str(known))
+        self._sftp: paramiko.SFTPClient | None = None
+
+    @property
+    def sftp(self) -> paramiko.SFTPClient:
+        if self._sftp is None:
+            self._sftp = self.client.open_sftp()
+        return self._sftp
+
+    def run(self, argv: list[str] | str, *, check: bool = True, stdin: bytes | None = None,
+            timeout: float | None = None) -> RunResult:
+        """Run a command on the host (a list is quoted for the remote shell)."""
+        cmd = argv if isinstance(argv, str) else shlex.join(argv)
+        chan_in, chan_out, chan_err = self.client.exec_command(cmd, timeout=timeout)
+        if stdin is not None:
+            chan_in.write(stdin)
+        chan_in.channel.shutdown_write()
+        out = chan_out.read().decode(errors="replace")
+        err = chan_err.read().decode(errors="replace")
+        rc = chan_out.channel.recv_exit_status()
+        if check and rc != 0:
+            raise TransferError(f"on {self.hostname}: `{cmd}` exited with {rc}: {(err or out).strip()[-800:]}")
+        return RunResult(cmd, rc, out, err)
+
+    def close(self) -> None:
+        if self._sftp is not None:
+            self._sftp.close()
+        self.client.close()
+
+    def __enter__(self) -> "SshHost":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    remote_path: str
+    status: str  # "sent", "resumed", "already-present"
+    bytes_sent: int
+    seconds: float
+    sha256: str
+
+    @property
+    def rate_mb_s(self) -> float:
+        return self.bytes_sent / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+def sha256_file(path: Path, limit: int | None = None, desc: str | None = None) -> str:
+    """sha256 of a file (or of its first `limit` bytes), with a progress bar when `desc` is given."""
+    h = hashlib.sha256()
+    total = path.stat().st_size if limit is None else limit
+    with open(path, "rb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=desc,
+                                     disable=desc is None, leave=False) as bar:
+        left = total
+        while left > 0:
+            block = f.read(min(CHUNK * 8, left))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+            bar.update(len(block))
+    return h.hexdigest()
+
+
+def remote_sha256(host: SshHost, path: str, limit: int | None = None) -> str:
+    q = shlex.quote(path)
+    cmd = f"head -c {int(limit)} {q} | sha256sum" if limit is not None else f"sha256sum {q}"
+    return host.run(cmd).stdout.split()[0]
+
+
+def remote_size(host: SshHost, path: str) -> int | None:
+    try:
+        return host.sftp.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def remote_free_bytes(host: SshHost, directory: str) -> int:
+    out = host.run(["df", "-P", "-B1", directory]).stdout.splitlines()
+    return int(out[-1].split()[3])
+
+
+def send_file(host: SshHost, local: Path, remote_dir: str, *, sha256: str | None = None,
+              force: bool = False, bwlimit: float | None = None, progress: bool = True) -> TransferResult:
+    """Upload `local` to `remote_dir/<name>`; see the module docstring for the protocol.
+
+    `sha256`: the digest the file must have (from its export record); computed when None. `bwlimit`:
+    bytes per second cap. Raises TransferError before sending anything when the name is taken by a
+    different file (without `force`) or the host lacks space."""
+    local = Path(local)
+    size = local.stat().st_size
+    final = f"{remote_dir.rstrip('/')}/{local.name}"
+    partial = f"{remote_dir.rstrip('/')}/.{local.name}.partial"
+    start = time.monotonic()
+    digest = sha256 or sha256_file(local, desc=f"sha256 {local.name}" if progress else None)
+
+    host.run(["mkdir", "-p", remote_dir])
+    existing = remote_size(host, final)
+    if existing is not None:
+        theirs = remote_sha256(host, final)
+        if theirs == digest:
+            return TransferResult(final, "already-present", 0, time.monotonic() - start, digest)
+        if not force:
+            raise TransferError(
+                f"{host.hostname}:{final} already exists with different content (sha256 {theirs[:16]}..., "
+                f"{existing} bytes; ours {digest[:16]}..., {size} bytes). Pass --force to replace it, or "
+                "give the new artifact another name."
+            )
+
+    offset = remote_size(host, partial) or 0
+    if offset > size or (offset and remote_sha256(host, partial, offset) != sha256_file(local, offset)):
+        offset = 0  # not a prefix of this file (another version was being sent): start over
+    needed = size - offset + SPACE_MARGIN
+    free = remote_free_bytes(host, remote_dir)
+    if free < needed:
+        raise TransferError(
+            f"{host.hostname}:{remote_dir} has {free / 1e9:.2f} GB free but the upload needs "
+            f"{needed / 1e9:.2f} GB. Free space there or choose another storage."
+        )
+
+    _upload(host, local, partial, offset, size, bwlimit, progress)
+
+    theirs = remote_sha256(host, partial)
+    if theirs != digest:
+        host.sftp.remove(partial)
+        raise TransferError(
+            f"checksum mismatch after upload: {host.hostname}:{partial} has sha256 {theirs}, expected "
+            f"{digest}. The partial was deleted and nothing was renamed; check the local file "
+            f"({local}) against its record and run again."
+        )
+    host.sftp.posix_rename(partial, final)  # atomic on one filesystem, replaces an old file (--force)
+    return TransferResult(final, "resumed" if offset else "sent", size - offset,
+                          time.monotonic() - start, digest)
+
+
+def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
+            bwlimit: float | None, progress: bool) -> None:
+    """Append local[offset:] to the remote partial, pipelined, with tqdm rate and ETA."""
+    t0 = time.monotonic()
+    sent = 0
+    with open(local, "rb") as src, host.sftp.open(partial, "ab" if offset else "wb") as dst, \
+            tqdm(total=size, initial=offset, unit="B", unit_scale=True, unit_divisor=1024,
+                 desc=f"send {local.name}", disable=not progress) as bar:
+        dst.set_pipelined(True)
+        src.seek(offset)
+        while block := src.read(CHUNK):
+            dst.write(block)
+            sent += len(block)
+            bar.update(len(block))
+            if bwlimit:
+                ahead = sent / bwlimit - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        dst.flush()
+
+
+def main_send(argv: list[str] | None = None) -> int:
+    """`python -m images.transfer HOST FILE DIR [...]`: one upload (used by tests to kill a client)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m images.transfer")
+    p.add_argument("target")
+    p.add_argument("file", type=Path)
+    p.add_argument("remote_dir")
+    p.add_argument("--port", type=int, default=22)
+    p.add_argument("--identity")
+    p.add_argument("--known-hosts")
+    p.add_argument("--bwlimit", type=float, help="bytes per second")
+    p.add_argument("--force", action="store_true")
+    a = p.parse_args(argv)
+    with SshHost(a.target, port=a.port, identity=a.identity, known_hosts=a.known_hosts) as host:
+        r = send_file(host, a.file, a.remote_dir, force=a.force, bwlimit=a.bwlimit)
+    print(f"{r.status} {r.remote_path} {r.bytes_sent} bytes in {r.seconds:.1f}s ({r.rate_mb_s:.1f} MB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_send())
