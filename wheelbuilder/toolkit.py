@@ -63,8 +63,7 @@ def prepare_pip_cuda_home(home: Path) -> list[str]:
     return made
 
 
-def find_cuda_home() -> Path:
-    """CUDA_HOME from the environment, NVIDIA's pip wheels, /usr/local/cuda or nvcc on PATH."""
+def default_cuda_candidates() -> list[Path]:
     candidates: list[Path] = []
     if os.environ.get("CUDA_HOME"):
         candidates.append(Path(os.environ["CUDA_HOME"]))
@@ -75,7 +74,12 @@ def find_cuda_home() -> Path:
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
-    for home in candidates:
+    return candidates
+
+
+def find_cuda_home(candidates: list[Path] | None = None) -> Path:
+    """CUDA_HOME from the environment, NVIDIA's pip wheels, /usr/local/cuda or nvcc on PATH."""
+    for home in default_cuda_candidates() if candidates is None else candidates:
         if (home / "bin" / "nvcc").exists():
             return home
     raise ToolchainError(
@@ -112,7 +116,7 @@ def installed_torch() -> tuple[str, Version | None]:
     return torch.__version__, Version(torch.version.cuda) if torch.version.cuda else None
 
 
-def check_toolchain(target: Target) -> Toolchain:
+def check_toolchain(target: Target, cuda_candidates: list[Path] | None = None) -> Toolchain:
     """Every check that can fail before the expensive part; returns the resolved toolchain."""
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     if py != target.python:
@@ -132,7 +136,7 @@ def check_toolchain(target: Target) -> Toolchain:
             f"torch {torch_version} is built for CUDA {torch_cuda}, the target expects CUDA {target.torch.cuda}; "
             f"install torch from {target.torch.index}."
         )
-    home = find_cuda_home()
+    home = find_cuda_home(cuda_candidates)
     nvcc = nvcc_version(home)
     if nvcc.major != torch_cuda.major:
         raise ToolchainError(

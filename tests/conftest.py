@@ -1,0 +1,81 @@
+"""Shared fixtures and the tier rules.
+
+Tiers are pytest markers (pyproject.toml): docker, nvcc, lxc, ssh, gpu, slow. A test of a tier whose
+tool is missing skips with the reason, except where DFLASH_REQUIRE names the tier (CI sets
+DFLASH_REQUIRE=docker,nvcc,lxc,ssh): there a missing tool fails the run instead of hiding it.
+
+The heavy artifacts (the cu130-sm120 wheel and the dflash-train image) are built once per run by the
+session fixtures below and shared by every test that needs them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CI_TARGET = "cu130-sm120"
+REQUIRED = {t.strip() for t in os.environ.get("DFLASH_REQUIRE", "").split(",") if t.strip()}
+
+
+def _available(tier: str) -> tuple[bool, str]:
+    if tier == "docker":
+        from images.engine import engine_running
+
+        return engine_running(), "no Docker engine answers (start one with `make engine`)"
+    if tier == "nvcc":
+        return bool(shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()), "nvcc not found"
+    if tier == "lxc":
+        return bool(shutil.which("lxc-start")) and os.geteuid() == 0, "needs Debian's lxc and root"
+    if tier == "ssh":
+        return bool(shutil.which("sshd") or Path("/usr/sbin/sshd").exists()), "needs OpenSSH's sshd"
+    if tier == "gpu":
+        try:
+            import torch
+
+            return torch.cuda.is_available(), "no CUDA GPU"
+        except ImportError:
+            return False, "torch is not installed"
+    return True, ""
+
+
+_cache: dict[str, tuple[bool, str]] = {}
+
+
+def pytest_runtest_setup(item):
+    for tier in ("docker", "nvcc", "lxc", "ssh", "gpu"):
+        if item.get_closest_marker(tier) is None:
+            continue
+        if tier not in _cache:
+            _cache[tier] = _available(tier)
+        ok, why = _cache[tier]
+        if not ok:
+            if tier in REQUIRED:
+                pytest.fail(f"tier '{tier}' is required here (DFLASH_REQUIRE) but unavailable: {why}")
+            pytest.skip(f"{tier}: {why}")
+
+
+@pytest.fixture(scope="session")
+def ci_target():
+    from wheelbuilder import targets
+
+    return targets.load().target(CI_TARGET)
+
+
+@pytest.fixture(scope="session")
+def built_wheels(ci_target) -> Path:
+    """dist/wheels/cu130-sm120/ built by the real builder stage (the layer cache makes a repeat cheap)."""
+    from images.build import build_wheels
+
+    return build_wheels(ci_target)
+
+
+@pytest.fixture(scope="session")
+def runtime_image(built_wheels, ci_target) -> str:
+    """The dflash-train:cu130-sm120 image, built once per run from the wheels above."""
+    from images.build import build_image
+
+    return build_image(ci_target)
