@@ -1,0 +1,275 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a block [anchor, MASK x (bs-1)] in one pass.
+
+The drafter has no embedding and no LM head of its own: block tokens come in as the target's frozen
+embeddings, and `target.lm_head(drafter(...))` gives the logits. What it adds is "KV injection":
+
+    context [B,T,k*H] --fc--> RMSNorm --> ctx [B,T,H]           (tapped target layers -> one feature)
+    block   [B,Q,H]   (Q = N*bs)
+    every layer:  Q   = q_proj(block)
+                  K,V = k_proj/v_proj(concat(ctx, block))     -> attention under masks.drafter_attention_mask
+    final RMSNorm -> hidden [B,Q,H]
+
+RoPE positions: context position j sits at j; token k of the block anchored at a sits at a+k, so a block
+"continues" the context exactly where the target would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.masks import drafter_attention_mask
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT = "dflash-drafter/1"
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Shape of a drafter plus what ties it to its target (stored in the checkpoint's config.json)."""
+
+    target_hidden_size: int           # H of the target: width of each tapped hidden state
+    hidden_size: int                  # the drafter's width; must equal H (it shares embed/lm_head)
+    num_layers: int = 5               # drafter decoder layers
+    num_heads: int                    # query heads
+    num_kv_heads: int                 # key/value heads (GQA: num_heads % num_kv_heads == 0)
+    head_dim: int                     # per-head width (even: RoPE rotates pairs)
+    intermediate_size: int            # SwiGLU MLP width
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    vocab_size: int                   # rows of the target's embedding / head
+    block_size: int = 16              # tokens per block: the anchor + bs-1 masked positions
+    target_layer_ids: list[int] = field(default_factory=list)  # tapped target layers, in concat order
+    mask_token_id: int                # the MASK token filling positions 1..bs-1 of a block
+    target_fingerprint: str = ""      # Target.fingerprint of the target this drafter was trained for
+    initializer_range: float = 0.02   # std of the normal init of every Linear
+
+    def __post_init__(self):
+        problems = []
+        if self.hidden_size != self.target_hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target_hidden_size {self.target_hidden_size}: "
+                            "the drafter uses the target's embeddings and head, so the widths must match")
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
+        if self.block_size < 2:
+            problems.append(f"block_size {self.block_size} must be >= 2 (an anchor and a masked token)")
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty; use Target.layer_ids")
+        if self.num_layers < 1:
+            problems.append(f"num_layers {self.num_layers} must be >= 1")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if problems:
+            raise ValueError("bad DrafterConfig: " + "; ".join(problems))
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k != "format"}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, names, 1)) else k
+                     for k in unknown]
+            raise ValueError(f"unknown DrafterConfig keys: {', '.join(hints)}")
+        return cls(**data)
+
+    @classmethod
+    def from_target(cls, target, **overrides) -> "DrafterConfig":
+        """A drafter shaped like the target's attention layers; any field can be overridden."""
+        cfg = target.config
+        heads = int(cfg.num_attention_heads)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        values = dict(
+            target_hidden_size=target.hidden_size, hidden_size=target.hidden_size,
+            num_heads=heads, num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or target.hidden_size // heads),
+            intermediate_size=int(cfg.intermediate_size), rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 1_000_000.0))),
+            vocab_size=target.vocab_size, target_layer_ids=list(target.layer_ids),
+            mask_token_id=target.mask_token_id, target_fingerprint=target.fingerprint,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    """Qwen-style RMSNorm: normalise in float32, scale, cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B,L] long -> (cos, sin) each [B,1,L,head_dim] (halves duplicated, as in Qwen3)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq                       # [B,L,hd/2]
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)                # [B,1,L,hd]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,h,L,hd] rotated by (cos, sin) [B,1,L,hd]."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class DrafterAttention(nn.Module):
+    """GQA attention: queries from the block, keys/values from concat(context features, block)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, n, self.c.head_dim).transpose(1, 2)                 # [B,n,L,hd]
+
+    def forward(self, x, ctx, rope_q, rope_kv, mask) -> torch.Tensor:
+        """x [B,Q,H], ctx [B,T,H], rope_q/rope_kv (cos, sin) for Q / T+Q positions, mask [B,1,Q,T+Q] -> [B,Q,H]."""
+        c = self.c
+        kv_in = torch.cat([ctx, x], dim=1)                                      # [B,T+Q,H]
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), *rope_q)
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), *rope_kv)
+        v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
+        groups = c.num_heads // c.num_kv_heads
+        # Expanded K/V instead of enable_gqa: every SDPA backend takes a boolean mask this way.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)           # [B,h,Q,hd]
+        B, _, Q, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, c.num_heads * c.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer with context injection into K/V."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DrafterAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x, ctx, rope_q, rope_kv, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Drafter(nn.Module):
+    """fc + RMSNorm over the tapped target states, `num_layers` DrafterLayers, a final RMSNorm."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=c.initializer_range)
+
+    def forward(
+        self,
+        context: torch.Tensor,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        context_valid: torch.Tensor | None = None,
+        anchor_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Denoise N blocks per sequence in one pass.
+
+        context:       [B,T,k*H] tapped target hidden states (Target.context)
+        block_embeds:  [B,N*bs,H] target embeddings of [anchor, MASK x (bs-1)] for each block
+        anchors:       [B,N] long, anchor positions (block n's token k sits at anchors[:, n] + k)
+        context_valid: [B,T] bool or None;  anchor_valid: [B,N] bool or None
+        returns        [B,N*bs,H] hidden states after the final norm; logits = target.lm_head(hidden)
+        """
+        c = self.config
+        B, T, width = context.shape
+        N, bs = anchors.shape[1], c.block_size
+        if width != len(c.target_layer_ids) * c.target_hidden_size:
+            raise ValueError(f"context is {width} wide, expected {len(c.target_layer_ids)} tapped layers x "
+                             f"{c.target_hidden_size}; was the target loaded with layer_ids={c.target_layer_ids}?")
+        if block_embeds.shape[:2] != (B, N * bs):
+            raise ValueError(f"block_embeds is {tuple(block_embeds.shape)}, expected [B,N*bs,H] = "
+                             f"[{B},{N * bs},{c.hidden_size}] for {N} anchors and block_size {bs}")
+        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))         # [B,T,H]
+        x = block_embeds.to(ctx.dtype)
+
+        block_pos = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).reshape(B, N * bs)
+        ctx_pos = torch.arange(T, device=anchors.device).expand(B, T)
+        rope_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, x.dtype)
+        rope_kv = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), c.head_dim, c.rope_theta, x.dtype)
+        mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid).unsqueeze(1)
+
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_kv, mask)
+        return self.norm(x)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_pretrained(self, directory) -> Path:
+        """Write config.json + model.safetensors into `directory`; each file appears whole or not at all."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        tmp = directory / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
+        save_file(state, str(tmp), metadata={"format": "pt", "dflash": FORMAT})
+        os.replace(tmp, directory / WEIGHTS_NAME)
+        # The config goes last: a directory with a config.json always has matching weights beside it.
+        tmp = directory / f".{CONFIG_NAME}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps({"format": FORMAT, **self.config.to_dict()}, indent=2) + "\n")
+        os.replace(tmp, directory / CONFIG_NAME)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory, device="cpu") -> "Drafter":
+        """Load a drafter written by save_pretrained, in the dtype it was saved in."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"{directory} holds no drafter ({CONFIG_NAME} + {WEIGHTS_NAME}); pass the "
+                                    "directory written by Drafter.save_pretrained / dflash-train")
+        data = json.loads((directory / CONFIG_NAME).read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{directory / CONFIG_NAME} has format {data.get('format')!r}, expected {FORMAT!r}")
+        state = load_file(str(directory / WEIGHTS_NAME), device=str(device))
+        drafter = cls(DrafterConfig.from_dict(data))
+        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
+        drafter.to(device=device, dtype=dtype).load_state_dict(state, strict=True)
+        return drafter

@@ -1,0 +1,138 @@
+"""Drafter: attention semantics seen from the outputs, shapes, config checks, checkpoint round trip."""
+
+import json
+
+import pytest
+import torch
+
+from dflash.model import Drafter, DrafterConfig
+
+H, K, BS = 32, 3, 4
+
+
+def tiny_config(**overrides):
+    values = dict(target_hidden_size=H, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                  intermediate_size=48, vocab_size=50, block_size=BS, target_layer_ids=[1, 2, 3],
+                  mask_token_id=3, target_fingerprint="abc")
+    values.update(overrides)
+    return DrafterConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    torch.manual_seed(0)
+    return Drafter(tiny_config()).eval()
+
+
+def inputs(seed=0, B=2, T=10, anchors=((2, 6), (0, 8))):
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.tensor(anchors)
+    N = anchors.shape[1]
+    return torch.randn(B, T, K * H, generator=g), torch.randn(B, N * BS, H, generator=g), anchors
+
+
+def test_shapes_and_dtype(drafter):
+    context, blocks, anchors = inputs()
+    out = drafter(context, blocks, anchors)
+    assert out.shape == (2, 2 * BS, H) and out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def block(out, b, n):
+    return out[b, n * BS:(n + 1) * BS]
+
+
+def test_context_at_or_after_anchor_is_invisible(drafter):
+    context, blocks, anchors = inputs()
+    base = drafter(context, blocks, anchors)
+    changed = context.clone()
+    changed[0, 2:] += torch.randn_like(changed[0, 2:])  # positions >= anchor 2 of block (0, 0)
+    out = drafter(changed, blocks, anchors)
+    assert torch.equal(block(out, 0, 0), block(base, 0, 0))
+    assert not torch.allclose(block(out, 0, 1), block(base, 0, 1))  # anchor 6 sees positions 2..5
+
+
+def test_context_before_anchor_is_visible(drafter):
+    context, blocks, anchors = inputs()
+    base = drafter(context, blocks, anchors)
+    changed = context.clone()
+    changed[0, 1] += 1.0
+    out = drafter(changed, blocks, anchors)
+    assert not torch.allclose(block(out, 0, 0), block(base, 0, 0))
+    assert torch.equal(out[1], base[1])  # other sequences of the batch are untouched
+
+
+def test_other_blocks_are_invisible(drafter):
+    context, blocks, anchors = inputs()
+    base = drafter(context, blocks, anchors)
+    changed = blocks.clone()
+    changed[0, BS:2 * BS] += 1.0  # tokens of block 1
+    out = drafter(context, changed, anchors)
+    assert torch.equal(block(out, 0, 0), block(base, 0, 0))
+    assert not torch.allclose(block(out, 0, 1), block(base, 0, 1))
+
+
+def test_attention_inside_a_block_is_bidirectional(drafter):
+    context, blocks, anchors = inputs()
+    base = drafter(context, blocks, anchors)
+    changed = blocks.clone()
+    changed[0, BS - 1] += 1.0  # the last token of block 0 ...
+    out = drafter(context, changed, anchors)
+    assert not torch.allclose(out[0, 0], base[0, 0])  # ... changes its first token
+
+
+def test_invalid_context_is_ignored(drafter):
+    context, blocks, anchors = inputs()
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[0, 4] = False
+    base = drafter(context, blocks, anchors, context_valid=valid)
+    changed = context.clone()
+    changed[0, 4] += 5.0
+    assert torch.equal(drafter(changed, blocks, anchors, context_valid=valid), base)
+
+
+def test_block_output_does_not_depend_on_its_slot(drafter):
+    """The same block at the same anchor gives the same output whichever other blocks ride along."""
+    context, blocks, anchors = inputs(anchors=((2, 6), (0, 8)))
+    base = drafter(context, blocks, anchors)
+    swapped = drafter(context, torch.cat([blocks[:, BS:], blocks[:, :BS]], 1), anchors.flip(1))
+    assert torch.allclose(block(swapped, 0, 1), block(base, 0, 0), atol=1e-5)
+
+
+def test_bad_inputs_are_named(drafter):
+    context, blocks, anchors = inputs()
+    with pytest.raises(ValueError, match="tapped layers"):
+        drafter(context[..., :-1], blocks, anchors)
+    with pytest.raises(ValueError, match=r"expected \[B,N\*bs,H\]"):
+        drafter(context, blocks[:, :-1], anchors)
+
+
+def test_config_checks_and_dict_round_trip():
+    config = tiny_config()
+    assert DrafterConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(ValueError, match="widths must match"):
+        tiny_config(hidden_size=64)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        tiny_config(num_heads=3)
+    with pytest.raises(ValueError, match="did you mean block_size"):
+        DrafterConfig.from_dict({**config.to_dict(), "blok_size": 8})
+
+
+def test_save_load_is_bit_exact(tmp_path, drafter):
+    drafter.save_pretrained(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    loaded = Drafter.from_pretrained(tmp_path / "ckpt")
+    assert loaded.config == drafter.config
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    context, blocks, anchors = inputs()
+    assert torch.equal(loaded.eval()(context, blocks, anchors), drafter(context, blocks, anchors))
+
+
+def test_bf16_checkpoint_loads_as_bf16(tmp_path):
+    Drafter(tiny_config()).to(torch.bfloat16).save_pretrained(tmp_path)
+    assert Drafter.from_pretrained(tmp_path).fc.weight.dtype == torch.bfloat16
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no drafter"):
+        Drafter.from_pretrained(tmp_path)
