@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("wheels", nargs="+", type=Path, help="wheel files")
     a.add_argument("--json", action="store_true", help="print JSON")
 
+    v = sub.add_parser("verify", help="check every wheel listed in a manifest.json exists with its sha256")
+    v.add_argument("--dir", type=Path, required=True, help="folder holding manifest.json and the wheels")
+
     lk = sub.add_parser("lock", help="regenerate locks/ from targets.toml and locks/*.in (needs uv)")
     lk.add_argument("--only", default=None, help="one lock folder (e.g. cu130) or 'dev'")
 
@@ -86,6 +89,15 @@ def main_inner(argv: list[str] | None = None) -> int:
                 raise FatalError(f"{wheel.name} is not a wheel of any recipe of {target.name}.")
             reports.append(audit_wheel(wheel, target, recipe).to_dict())
         print(json.dumps(reports, indent=2) if args.json else "\n".join(f"ok  {w}" for w in args.wheels))
+        return 0
+    if args.command == "verify":
+        from .manifest import read_manifest, verify_wheels
+
+        problems = verify_wheels(args.dir)
+        if problems:
+            raise FatalError(f"{args.dir}: " + "; ".join(problems))
+        for w in read_manifest(args.dir).wheels:
+            print(f"ok  {w.sha256}  {w.filename}")
         return 0
     if args.command == "lock":
         from .lock import lock_all

@@ -7,8 +7,8 @@ build leaves only its staging directory (removed on the way out) and its log.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
+import platform
 import re
 import shutil
 import sys
@@ -159,23 +159,6 @@ def compile_recipe(recipe: Recipe, target: Target, toolchain: Toolchain, plan: P
     return wheels[0]
 
 
-def build_info(recipe: Recipe, target: Target, toolchain: Toolchain, plan: Plan) -> dict:
-    """Recorded inside the wheel (dist-info/wheelbuilder.json): what it was built for and with."""
-    return {
-        "target": target.name,
-        "recipe": recipe.key,
-        "version": f"{recipe.version}+{target.local_version()}",
-        "source": {"url": recipe.url, "sha256": recipe.sha256},
-        "torch": target.torch.version,
-        "torch_minor": target.torch.minor,
-        "cuda": str(target.torch.cuda),
-        "arches": [str(a) for a in target.arches],
-        "python": target.python,
-        "nvcc": str(toolchain.nvcc_version),
-        "source_date_epoch": plan.source_date_epoch,
-    }
-
-
 def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BUILD_ROOT,
                  log_dir: Path | None = None, dry_run: bool = False) -> list[dict]:
     """Build every recipe of `target` into `out_dir`; returns the manifest entries written."""
@@ -184,9 +167,9 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
     echo(f"build plan for {target.name}:\n{plan.describe()}")
     if dry_run:
         return []
+    from . import manifest
     from .audit import audit_wheel
-    from .manifest import WheelRecord, write_manifest
-    from .wheelfile import repack_deterministic, wheel_sha256
+    from .wheelfile import build_info, repack_deterministic, wheel_sha256
 
     log_dir = log_dir or out_dir
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -204,19 +187,22 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
             stage = rcp.stage_dir(out_dir, ".staging-")
             try:
                 raw = compile_recipe(recipe, target, toolchain, plan, src, stage, log)
-                info = build_info(recipe, target, toolchain, plan)
-                wheel = repack_deterministic(
-                    raw, stage, extra_files={"wheelbuilder.json": json.dumps(info, indent=2, sort_keys=True).encode() + b"\n"},
-                    source_date_epoch=plan.source_date_epoch)
+                info = build_info(target, recipe, nvcc=str(toolchain.nvcc_version),
+                                  local_version=target.local_version(), source_date_epoch=plan.source_date_epoch)
+                wheel = repack_deterministic(raw, stage, extra_files={"wheelbuilder.json": info},
+                                             source_date_epoch=plan.source_date_epoch)
                 report = audit_wheel(wheel, target, recipe)
                 final = out_dir / wheel.name
                 os.replace(wheel, final)  # same filesystem: atomic
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
-            record = WheelRecord.from_build(
-                wheel=final, recipe=recipe, target=target, report=report, toolchain=toolchain,
+            record = manifest.entry_for(
+                final, recipe=recipe.name, recipe_version=recipe.version, source_url=recipe.url,
+                source_sha256=recipe.sha256, target=target.name, arches=report.arches,
+                toolchain=manifest.Toolchain(nvcc=str(toolchain.nvcc_version), torch=toolchain.torch_version,
+                                             python=platform.python_version(), host_compiler=toolchain.cxx),
                 build_seconds=round(time.monotonic() - started, 1), source_date_epoch=plan.source_date_epoch)
-            write_manifest(out_dir, [record])
+            manifest.write_manifest(out_dir, [record])
             echo(f"wrote {final.name}  {final.stat().st_size / 1e6:.1f} MB  sha256 {wheel_sha256(final)}")
             entries.append(record)
     return entries
