@@ -1,0 +1,99 @@
+"""One process per device, through torch.distributed (the launcher is torchrun).
+
+The same code runs as a plain single process (no RANK in the environment: world size 1, no process
+group) and under `torchrun --nproc-per-node N` (NCCL on GPUs, gloo on CPU). Each rank loads its own
+frozen target; only the drafter is wrapped in DDP.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits: rank, world size, and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(spec: str, local_rank: int) -> torch.device:
+    """'auto' -> cuda:LOCAL_RANK when a GPU is there, else cpu; 'cuda' -> cuda:LOCAL_RANK."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        spec = f"cuda:{local_rank}"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {spec}: no CUDA GPU is visible to this process. "
+                               "Use --device cpu, or check the GPU passthrough (nvidia-smi).")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"--device {spec}: only {torch.cuda.device_count()} GPU(s) are visible. "
+                               "Lower --nproc-per-node or pick another device.")
+        torch.cuda.set_device(device)
+    return device
+
+
+def init(device_spec: str = "auto", timeout_s: float = 1800) -> Dist:
+    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set); otherwise run alone."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_spec, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def close(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        dist.barrier()
+
+
+def all_reduce_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks (in place); a no-op in a single process."""
+    if d.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def any_rank(d: Dist, flag: bool) -> bool:
+    """True on every rank when `flag` is True on at least one (e.g. a stop signal reached one rank)."""
+    if not d.enabled:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def shard(items: list, d: Dist) -> list:
+    """This rank's share of one global micro-batch: items rank, rank+W, rank+2W, ...
+
+    A rank can get nothing when the batch holds fewer sequences than there are ranks; the caller then
+    runs a zero-weight stand-in so that DDP still sees every rank take part in the backward pass.
+    """
+    return items[d.rank::d.world_size]
