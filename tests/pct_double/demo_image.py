@@ -1,0 +1,70 @@
+"""A small demo image with the shape of dflash-train (venv on PATH, ENV, WORKDIR, ENTRYPOINT) for the
+export, LXC and push tests. Built FROM dflash-base:bookworm when the engine has it (`python -m images
+base`), else from a tiny busybox rootfs imported on the spot (a few seconds)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+DEMO_TAG = "dflash-export-demo:test"
+BUSYBOX_TAG = "dflash-test-busybox:1"
+
+DOCKERFILE = """FROM {base}
+RUN mkdir -p /opt/venv/bin /workspace \\
+ && printf '#!/bin/sh\\necho "demo-train VIRTUAL_ENV=$VIRTUAL_ENV PWD=$(pwd) ARGS=$*"\\n' > /opt/venv/bin/dflash-train \\
+ && printf '#!/bin/sh\\necho "doctor: all checks passed VIRTUAL_ENV=$VIRTUAL_ENV PWD=$(pwd) ARGS=$*"\\n' > /opt/venv/bin/dflash \\
+ && chmod +x /opt/venv/bin/dflash-train /opt/venv/bin/dflash \\
+ && ln /opt/venv/bin/dflash /opt/venv/bin/dflash-hardlink
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/opt/venv/lib
+WORKDIR /workspace
+LABEL org.dflash.cuda=13.0
+ENTRYPOINT ["dflash-train"]
+"""
+
+
+def _busybox_base(client) -> str:
+    busybox = shutil.which("busybox")
+    if not busybox:
+        raise RuntimeError("neither dflash-base:bookworm nor busybox (apt install busybox-static) is available")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "tmp", "proc", "sys", "dev", "root"):
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+            tar.addfile(ti)
+        tar.add(busybox, "bin/busybox")
+        applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
+        for applet in applets:
+            if applet != "busybox":
+                ti = tarfile.TarInfo(f"bin/{applet}")
+                ti.type, ti.linkname = tarfile.SYMTYPE, "busybox"
+                tar.addfile(ti)
+        for name, text in (("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"), ("etc/group", "root:x:0:\n"),
+                           ("etc/os-release", "ID=busybox\nNAME=busybox\n")):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(text)
+            tar.addfile(ti, io.BytesIO(text.encode()))
+    subprocess.run(["/usr/bin/docker", "import", "-", BUSYBOX_TAG], input=buf.getvalue(), check=True,
+                   capture_output=True)
+    return BUSYBOX_TAG
+
+
+def demo_image() -> str:
+    """Tag of the demo image, built once per engine (reused while its base does not change)."""
+    import docker
+
+    client = docker.from_env()
+    names = {t for img in client.images.list() for t in img.tags}
+    base = "dflash-base:bookworm" if "dflash-base:bookworm" in names else (
+        BUSYBOX_TAG if BUSYBOX_TAG in names else _busybox_base(client))
+    with tempfile.TemporaryDirectory() as ctx:
+        Path(ctx, "Dockerfile").write_text(DOCKERFILE.format(base=base))
+        subprocess.run(["/usr/bin/docker", "build", "--network=host", "-q", "-t", DEMO_TAG, ctx], check=True,
+                       capture_output=True, env={**os.environ, "DOCKER_BUILDKIT": "1"})
+    return DEMO_TAG

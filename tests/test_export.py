@@ -1,0 +1,138 @@
+"""Export: OCI archive media types, the deterministic rootfs template, carried config, records."""
+
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from images import export
+from pct_double.demo_image import demo_image
+
+
+def _info(**kw):
+    base = dict(ref="demo:1", id="sha256:" + "ab" * 32, tags=["demo:1"], labels={}, workdir="/workspace", user="",
+                env=["PATH=/opt/venv/bin:/usr/bin:/bin", "VIRTUAL_ENV=/opt/venv", "NOTE=it's $HOME"],
+                entrypoint=["dflash-train"], cmd=[])
+    base.update(kw)
+    return export.ImageInfo(**base)
+
+
+def test_carried_files_write_env_wrappers_and_init():
+    members = {n: tarfile.TarInfo(n) for n in ("./opt/venv/bin/dflash-train", "./opt/venv/bin/dflash", "./bin/sh")}
+    files = export.carried_files(_info(), members, existing_environment=b"LANG=C.UTF-8\n")
+    env = files["./etc/environment"][0].decode()
+    assert env.startswith("LANG=C.UTF-8\n") and "VIRTUAL_ENV=/opt/venv\n" in env
+    profile = files["./etc/profile.d/dflash.sh"][0].decode()
+    assert "export NOTE='it'\"'\"'s $HOME'" in profile  # quoted: sourced, never expanded
+    assert "export DFLASH_IMAGE_WORKDIR=/workspace" in profile
+    assert files["./usr/local/bin/dflash-train"] == (
+        b'#!/bin/sh\nexec /usr/local/bin/dflash-env /opt/venv/bin/dflash-train "$@"\n', 0o755)
+    assert "./usr/local/bin/dflash" in files and files["./sbin/init"][1] == 0o755
+    members["./sbin/init"] = tarfile.TarInfo("./sbin/init")
+    assert "./sbin/init" not in export.carried_files(_info(), members)  # the image's own init wins
+
+
+def test_wrapper_is_not_written_over_the_program_itself():
+    members = {"./usr/local/bin/dflash-train": tarfile.TarInfo("x")}
+    files = export.carried_files(_info(env=["PATH=/usr/local/bin:/usr/bin"]), members)
+    assert "./usr/local/bin/dflash-train" not in files  # it would exec itself forever
+
+
+def _oci_tar(path: Path, layer_type: str) -> Path:
+    manifest = json.dumps({"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                           "config": {"mediaType": "application/vnd.oci.image.config.v1+json"},
+                           "layers": [{"mediaType": layer_type}]}).encode()
+    index = json.dumps({"manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                       "digest": "sha256:m"}]}).encode()
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index),
+                           ("blobs/sha256/m", manifest)):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    return path
+
+
+def test_oci_check_rejects_docker_media_types(tmp_path):
+    good = _oci_tar(tmp_path / "good.tar", "application/vnd.oci.image.layer.v1.tar")
+    assert export.check_oci_archive(good)["layers"]
+    bad = _oci_tar(tmp_path / "bad.tar", "application/vnd.docker.image.rootfs.diff.tar.gzip")
+    with pytest.raises(export.ExportError, match="non-OCI media types.*skopeo"):
+        export.check_oci_archive(bad)
+
+
+def test_missing_image_is_a_clear_error():
+    pytest.importorskip("docker")
+    try:
+        export.docker_client().ping()
+    except Exception:
+        pytest.skip("no Docker engine")
+    with pytest.raises(export.ExportError, match="not in the local engine.*make image"):
+        export.inspect_image("dflash-no-such-image:never")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    pytest.importorskip("docker")
+    try:
+        image = demo_image()
+    except Exception as e:  # no engine, no base
+        pytest.skip(f"cannot build the demo image: {e}")
+    out = tmp_path_factory.mktemp("export")
+    return image, out, export.export(image, "both", out, epoch=1700000000, progress=False)
+
+
+@pytest.mark.docker
+def test_oci_archive_is_uncompressed_oci_layout(exported):
+    _, out, result = exported
+    oci = result.artifacts[0]
+    assert oci.name.endswith(".oci.tar")
+    with open(oci, "rb") as f:
+        assert tarfile.is_tarfile(f)  # a plain tar: PVE only detects an *uncompressed* OCI archive
+    manifest = export.check_oci_archive(oci)
+    assert all(layer["mediaType"].startswith("application/vnd.oci.image.layer.v1.tar")
+               for layer in manifest["layers"])
+
+
+@pytest.mark.docker
+def test_records_describe_each_artifact(exported):
+    image, out, result = exported
+    for path, rec in zip(result.artifacts, result.records):
+        on_disk = json.loads(export.record_path(path).read_text())
+        assert on_disk == rec
+        assert rec["size"] == path.stat().st_size and rec["sha256"] == export.sha256_of(path)
+        assert rec["image"]["id"].startswith("sha256:") and rec["image"]["labels"]["org.dflash.cuda"] == "13.0"
+        assert rec["image"]["cuda"] == "13.0" and rec["image"]["entrypoint"] == ["dflash-train"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
+
+
+@pytest.mark.docker
+def test_template_is_sorted_numeric_fixed_time_and_carries_config(exported):
+    _, out, result = exported
+    tpl = result.artifacts[1]
+    raw = subprocess.run(["zstd", "-dc", str(tpl)], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        members = tar.getmembers()
+        names = [m.name for m in members]
+        links = [m for m in members if m.islnk()]
+        plain = [n for n in names if n not in {m.name for m in links}]
+        assert plain == sorted(plain) and names[-len(links):] == sorted(m.name for m in links)
+        assert all(m.mtime == 1700000000 and m.uname == "" and m.gname == "" for m in members)
+        assert "./.dockerenv" not in names and not [n for n in names if n.startswith("./dev/")]
+        assert all(n == "." or n.startswith("./") for n in names)
+        profile = tar.extractfile("./etc/profile.d/dflash.sh").read().decode()
+        assert "export VIRTUAL_ENV=/opt/venv" in profile and "export DFLASH_IMAGE_WORKDIR=/workspace" in profile
+        wrapper = tar.extractfile("./usr/local/bin/dflash-train").read().decode()
+        assert "/usr/local/bin/dflash-env /opt/venv/bin/dflash-train" in wrapper
+        assert "./usr/local/bin/dflash-env" in names
+
+
+@pytest.mark.docker
+def test_template_export_is_bit_identical(exported, tmp_path):
+    image, _, result = exported
+    again = export.export(image, "template", tmp_path, epoch=1700000000, progress=False)
+    assert again.records[0]["sha256"] == result.records[1]["sha256"]
