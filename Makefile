@@ -6,6 +6,9 @@ PYTHON  ?= python3.11         # interpreter for the host venv (the cu130 targets
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PYTEST_ARGS ?=
+HOST    ?=
+CTID    ?=
+PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-train push clean
@@ -32,6 +35,23 @@ lock: venv  ## regenerate locks/ from targets.toml and locks/*.in (needs uv and 
 
 wheels: engine  ## build the target's wheels in the builder stage -> dist/wheels/$(TARGET)/
 	$(PY) -m images wheels --target $(strip $(TARGET))
+
+image: wheels  ## build the runtime image dflash-train:$(TARGET) from dist/wheels/$(TARGET)/
+	$(PY) -m images image --target $(strip $(TARGET))
+
+demo: image  ## build what is missing, then run the built-in demo inside dflash-train:$(TARGET)
+	$(PY) -m images demo --target $(strip $(TARGET))
+
+bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a warm rebuild (native nvcc)
+	$(PY) bench/bench_build.py --target $(strip $(TARGET))
+
+bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
+	$(PY) bench/bench_train.py
+
+bench: bench-build bench-train  ## all benchmarks
+
+push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS=--dry-run]
+	$(PY) -m images push --target $(strip $(TARGET)) --host $(HOST) --ctid $(CTID) $(PUSH_ARGS)
 
 test: venv engine  ## run every test tier this machine can run
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -169,6 +169,34 @@ def build_image(target: tg.Target, *, tag: str | None = None, extra_args: dict[s
     return tag
 
 
+def gpu_requests() -> list:
+    """--gpus all, where the engine has the NVIDIA runtime; [] elsewhere (the demo then runs on CPU)."""
+    import docker
+
+    from .engine import client
+
+    runtimes = client().info().get("Runtimes", {})
+    if "nvidia" in runtimes or shutil.which("nvidia-container-runtime-hook"):
+        return [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
+    return []
+
+
+def run_demo(target: tg.Target, args: list[str] | None = None, tag: str | None = None) -> int:
+    """`docker run dflash-train:<target>` through the engine API, streaming its output; returns its exit code."""
+    from .engine import client
+
+    tag = tag or image_tag(target)
+    gpus = gpu_requests()
+    echo(f"running {tag} {' '.join(args or [])} ({'GPUs: all' if gpus else 'no GPU: the demo runs on the CPU'})")
+    container = client().containers.run(tag, args or [], detach=True, network_mode="none", device_requests=gpus or None)
+    try:
+        for chunk in container.logs(stream=True, follow=True):
+            print(chunk.decode(errors="replace"), end="", flush=True)
+        return int(container.wait()["StatusCode"])
+    finally:
+        container.remove(force=True)
+
+
 def _wheels(manifest):
     return manifest["wheels"] if isinstance(manifest, dict) else manifest.wheels
 
@@ -186,6 +214,14 @@ def register(sub) -> None:
         else:
             p.add_argument("--tag", default=None, help="image tag (default: dflash-train:<target>)")
         p.set_defaults(func=_cmd_wheels if name == "wheels" else _cmd_image)
+    d = sub.add_parser("demo", help="run dflash-train:<target> (no arguments: the built-in demo)")
+    d.add_argument("--target", default=None, help="target from targets.toml (default: its default_target)")
+    d.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the image's entrypoint")
+    d.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    return run_demo(tg.load().target(args.target), args.args)
 
 
 def _cmd_wheels(args) -> int:
