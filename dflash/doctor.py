@@ -1,0 +1,188 @@
+"""`dflash doctor`: prove that the fast GatedDeltaNet kernels really load and really run (DESIGN.md §5).
+
+    dflash doctor                       # aligned table; exit 1 when a required check fails
+    dflash doctor --json                # the same as JSON (schema in dflash/doctor_report.py)
+    dflash doctor --quick               # the cheap subset: versions, import, arch, C compiler
+    dflash doctor --require-gpu         # no visible GPU is itself a failure
+    dflash doctor --expect-arch 12.0    # without a GPU, the arch the extension must cover (or DFLASH_EXPECT_ARCHES)
+    dflash doctor --save /tmp/dflash/doctor.json   # also keep the verdict for `dflash healthcheck`
+    python -m dflash.doctor ...         # the same, without the console script
+
+Checks, in order: gpu, versions, import, arch, dispatch, numerics, triton. Without a GPU, versions,
+import, arch and dispatch still run; numerics and the Triton JIT report skip with the reason, and the
+C compiler Triton needs is still checked.
+
+Dispatch is checked even without a GPU because transformers 5.24 picks the fast or the torch function
+once, when the model module is imported, by importing the kernel package; the GPU plays no part in the
+choice. A machine without causal-conv1d therefore FAILS dispatch: that is what it would run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .doctor_report import (DEFAULT_REPORT, FAIL, PASS, REPORT_ENV, SKIP, CheckResult, Report, render_table,
+                            write_json_atomic)
+
+EXPECT_ENV = "DFLASH_EXPECT_ARCHES"
+QUICK_SKIPS = ("dispatch", "numerics")  # the expensive ones: transformers + fla imports, kernel launches
+
+
+@dataclass(frozen=True)
+class Options:
+    quick: bool = False
+    require_gpu: bool = False
+    expect_arches: tuple[int, ...] | None = None  # SM numbers; None: take them from the wheel's record
+
+
+def check_gpu(gpus: list[dict], require: bool) -> CheckResult:
+    import torch
+
+    if gpus:
+        names = ", ".join(f"{g['index']}: {g['name']} (sm_{g['sm']})" for g in gpus)
+        return CheckResult("gpu", PASS, f"{len(gpus)} visible: {names}", required=require, details={"gpus": gpus})
+    why = ("torch is a CPU-only build" if torch.version.cuda is None
+           else "torch.cuda.is_available() is False (no --gpus passed to the container, or no driver)")
+    if require:
+        return CheckResult("gpu", FAIL, f"no GPU visible: {why}; run with `docker run --gpus all` or pass the "
+                           "GPUs through to the container", details={"gpus": []})
+    return CheckResult("gpu", SKIP, f"no GPU visible: {why}; the GPU checks skip", required=False)
+
+
+def check_numerics(gpus: list[dict]) -> CheckResult:
+    if not gpus:
+        return CheckResult("numerics", SKIP, "no GPU visible: the kernels run only on a GPU")
+    from .doctor_numerics import RTOL, run_numerics
+
+    results, errors = run_numerics(gpus)
+    bad = [f"GPU {r['device']} {r['name']} rel err {r['rel_err']:.2e} > {RTOL:.0e}" for r in results if not r["ok"]]
+    details = {"rtol": RTOL, "results": results, "errors": errors}
+    if bad or errors:
+        return CheckResult("numerics", FAIL, "; ".join(bad + errors), details=details)
+    worst = max(r["rel_err"] for r in results)
+    names = sorted({r["name"].split(".")[0] for r in results})
+    return CheckResult("numerics", PASS, f"{', '.join(names)} match float64 references on {len(gpus)} GPU(s), "
+                       f"worst rel err {worst:.1e} <= {RTOL:.0e}", details=details)
+
+
+def check_triton(gpus: list[dict], quick: bool) -> CheckResult:
+    from .doctor_checks import find_c_compiler
+
+    cc = find_c_compiler()
+    if cc is None:
+        return CheckResult("triton", FAIL, "no C compiler ($CC, gcc or clang): Triton compiles its launcher with one "
+                           "at first use, so every fla kernel would fail; install gcc (apt-get install gcc)")
+    if not gpus or quick:
+        why = "no GPU visible" if not gpus else "--quick"
+        return CheckResult("triton", SKIP, f"JIT not run ({why}); C compiler for Triton's launcher: {cc}",
+                           details={"cc": cc})
+    from .doctor_triton import jit_smoke
+
+    try:
+        errs = {g["index"]: jit_smoke(f"cuda:{g['index']}") for g in gpus}
+    except Exception as e:
+        return CheckResult("triton", FAIL, f"Triton could not compile or run a kernel: {type(e).__name__}: {e}",
+                           details={"cc": cc})
+    bad = [f"GPU {i}: max abs err {e}" for i, e in errs.items() if not e == 0.0]
+    if bad:
+        return CheckResult("triton", FAIL, f"a JIT-compiled kernel computed wrong values: {'; '.join(bad)}",
+                           details={"cc": cc, "errors": errs})
+    return CheckResult("triton", PASS, f"compiled and ran a kernel on {len(gpus)} GPU(s) (cc: {cc})",
+                       details={"cc": cc})
+
+
+def run_checks(opts: Options, progress=None) -> Report:
+    """Run every check in order; a check that crashes is reported as failed with its exception."""
+    from . import doctor_checks as dc
+
+    gpus = dc.visible_gpus()
+    expected = list(opts.expect_arches) if opts.expect_arches is not None else None
+    plan = [
+        ("gpu", lambda: check_gpu(gpus, opts.require_gpu)),
+        ("versions", dc.check_versions),
+        ("import", dc.check_import),
+        ("arch", lambda: dc.check_arch(gpus=gpus, expected=expected)),
+        ("dispatch", dc.check_dispatch),
+        ("numerics", lambda: check_numerics(gpus)),
+        ("triton", lambda: check_triton(gpus, opts.quick)),
+    ]
+    results = []
+    for name, fn in plan:
+        if progress:
+            progress(f"doctor: {name} ...")
+        t0 = time.perf_counter()
+        if opts.quick and name in QUICK_SKIPS:
+            result = CheckResult(name, SKIP, "skipped by --quick")
+        else:
+            try:
+                result = fn()
+            except Exception as e:  # a crash inside a check is a finding, not a reason to print no report
+                result = CheckResult(name, FAIL, f"the check itself crashed: {type(e).__name__}: {e}")
+        result.seconds = round(time.perf_counter() - t0, 3)
+        results.append(result)
+    return Report(checks=results, quick=opts.quick)
+
+
+def run_and_save(path: str | os.PathLike | None = None, opts: Options | None = None) -> int:
+    """The full doctor, once (the image's entrypoint calls this at container start); the verdict is
+    written atomically to `path` (default $DFLASH_DOCTOR_REPORT or /tmp/dflash/doctor.json) for
+    `dflash healthcheck`. Returns the exit code."""
+    report = run_checks(opts or Options(expect_arches=expect_from_env()))
+    write_json_atomic(path or os.environ.get(REPORT_ENV) or DEFAULT_REPORT, report.to_dict())
+    return report.exit_code
+
+
+def expect_from_env() -> tuple[int, ...] | None:
+    text = os.environ.get(EXPECT_ENV, "").strip()
+    return _parse_arch_list(text, f"${EXPECT_ENV}") if text else None
+
+
+def _parse_arch_list(text: str, where: str) -> tuple[int, ...]:
+    from .doctor_checks import parse_sm
+
+    try:
+        return tuple(sorted({parse_sm(a) for a in text.replace(" ", ",").split(",") if a}))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e} Example: {where.lstrip('-$')}=12.0 or 9.0,12.0.") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash doctor", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--quick", action="store_true",
+                   help="the cheap subset: skip dispatch, numerics and the Triton JIT (the C compiler is still checked)")
+    p.add_argument("--require-gpu", action="store_true", help="fail when no GPU is visible")
+    p.add_argument("--expect-arch", action="append", default=None, metavar="ARCH",
+                   help=f"arch the extension must cover when no GPU is visible, e.g. 12.0 (repeat or comma-separate; "
+                        f"default: ${EXPECT_ENV}, else the wheel's build record)")
+    p.add_argument("--save", metavar="PATH", default=None,
+                   help=f"also write the JSON verdict to PATH atomically (the health check reads ${REPORT_ENV}, "
+                        f"default {DEFAULT_REPORT})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # bad arch spellings stop here, before any check runs
+        expect = (_parse_arch_list(",".join(args.expect_arch), "--expect-arch") if args.expect_arch
+                  else expect_from_env())
+    except ValueError as e:
+        parser.error(str(e))
+    opts = Options(quick=args.quick, require_gpu=args.require_gpu, expect_arches=expect)
+    progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+    report = run_checks(opts, progress)
+    if args.save:
+        write_json_atomic(args.save, report.to_dict())
+    print(report.to_json() if args.json else render_table(report))
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
