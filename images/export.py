@@ -43,8 +43,10 @@ from wheelbuilder.errors import FatalError
 
 DEFAULT_OUT = Path("dist/images")
 OCI_MEDIA_PREFIX = "application/vnd.oci."
-WRAPPED_PROGRAMS = ("dflash",)  # besides the entrypoint's own program
-CUDA_LABELS = ("org.dflash.cuda", "dflash.cuda", "cuda")
+WRAPPED_PROGRAMS = ("dflash", "dflash-train")  # besides the entrypoint's own program
+INIT_PROGRAMS = ("tini", "dumb-init", "--")  # entrypoint prefixes that are not the program itself
+CUDA_LABELS = ("org.dflash.cuda", "io.dflash.cuda")
+TARGET_LABEL = "io.dflash.target"  # set by the Dockerfile; targets.toml knows its torch's CUDA
 
 
 class ExportError(FatalError):
@@ -79,12 +81,25 @@ class ImageInfo:
 
 
 def docker_client():
-    import docker  # the lead's engine module will wrap this; only the SDK is needed here
+    from .engine import client
 
-    try:
-        return docker.from_env()
-    except docker.errors.DockerException as e:
-        raise ExportError(f"cannot reach the Docker engine ({e}). Start it (`make engine`) and retry.") from None
+    return client()
+
+
+def image_cuda(labels: dict[str, str], env: dict[str, str]) -> str | None:
+    """The CUDA runtime the image's torch uses: a CUDA label, else its target's torch pin in
+    targets.toml, else the CUDA_VERSION that NVIDIA's base images set. None when nothing says."""
+    for key in CUDA_LABELS:
+        if key in labels:
+            return labels[key]
+    if TARGET_LABEL in labels:
+        from wheelbuilder.targets import load
+
+        try:
+            return str(load().target(labels[TARGET_LABEL]).torch.cuda)
+        except FatalError:
+            pass
+    return env.get("CUDA_VERSION")
 
 
 def inspect_image(ref: str, client=None) -> ImageInfo:
@@ -98,8 +113,7 @@ def inspect_image(ref: str, client=None) -> ImageInfo:
     cfg = img.attrs.get("Config") or {}
     env = list(cfg.get("Env") or [])
     labels = dict(cfg.get("Labels") or {})
-    cuda = next((labels[k] for k in CUDA_LABELS if k in labels), None) or dict(
-        e.split("=", 1) for e in env if "=" in e).get("CUDA_VERSION")
+    cuda = image_cuda(labels, dict(e.split("=", 1) for e in env if "=" in e))
     return ImageInfo(ref=ref, id=img.id, tags=list(img.tags), labels=labels, env=env,
                      entrypoint=list(cfg.get("Entrypoint") or []), cmd=list(cfg.get("Cmd") or []),
                      workdir=cfg.get("WorkingDir") or "/", user=cfg.get("User") or "", cuda=cuda)
@@ -214,8 +228,8 @@ def carried_files(info: ImageInfo, members: dict[str, tarfile.TarInfo],
         "./etc/profile.d/dflash.sh": (profile.encode(), 0o644),
         "./usr/local/bin/dflash-env": (ENV_WRAPPER.encode(), 0o755),
     }
-    programs = ([info.entrypoint[0]] if info.entrypoint else []) + list(WRAPPED_PROGRAMS)
-    for prog in programs:
+    entry = [w for w in info.entrypoint if os.path.basename(w) not in INIT_PROGRAMS][:1]
+    for prog in dict.fromkeys(entry + list(WRAPPED_PROGRAMS)):
         real = resolve_in_rootfs(prog, env.get("PATH", ""), members)
         wrapper = f"./usr/local/bin/{os.path.basename(prog)}"
         if real and "." + real != wrapper:

@@ -136,3 +136,18 @@ def test_template_export_is_bit_identical(exported, tmp_path):
     image, _, result = exported
     again = export.export(image, "template", tmp_path, epoch=1700000000, progress=False)
     assert again.records[0]["sha256"] == result.records[1]["sha256"]
+
+
+def test_init_prefix_of_the_entrypoint_is_not_wrapped():
+    members = {n: tarfile.TarInfo(n) for n in ("./usr/bin/tini", "./opt/venv/bin/dflash", "./opt/venv/bin/dflash-train")}
+    info = _info(entrypoint=["tini", "--", "dflash", "entrypoint"], env=["PATH=/opt/venv/bin:/usr/bin"])
+    files = export.carried_files(info, members)
+    assert "./usr/local/bin/tini" not in files
+    assert "./usr/local/bin/dflash" in files and "./usr/local/bin/dflash-train" in files
+
+
+def test_cuda_comes_from_the_target_label():
+    assert export.image_cuda({"io.dflash.target": "cu130-sm120"}, {}) == "13.0"
+    assert export.image_cuda({"io.dflash.target": "cu128-sm120"}, {}) == "12.8"
+    assert export.image_cuda({}, {"CUDA_VERSION": "12.8.1"}) == "12.8.1"
+    assert export.image_cuda({}, {}) is None
