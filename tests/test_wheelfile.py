@@ -170,3 +170,16 @@ def test_build_info_round_trip(two_sources, tmp_path):
     assert got == json.loads(info)
     assert got["torch"] == "2.11.0" and got["arches"] == ["12.0"] and got["recipe"]["version"] == "1.7.0"
     assert read_build_info(two_sources[0]) is None
+
+
+def test_a_failed_write_leaves_the_old_wheel_whole(two_sources, tmp_path, monkeypatch):
+    out = repack_deterministic(two_sources[0], tmp_path / "dist", extra_files={}, source_date_epoch=EPOCH)
+    before = out.read_bytes()
+
+    def disk_full(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("wheelbuilder.wheelfile.os.replace", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        repack_deterministic(two_sources[1], out.parent, extra_files={"x": b"1"}, source_date_epoch=EPOCH)
+    assert out.read_bytes() == before and [p.name for p in out.parent.iterdir()] == [NAME]

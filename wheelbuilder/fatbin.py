@@ -240,7 +240,8 @@ def covers(summary: dict[str, list[int]], sm: int) -> tuple[bool, str]:
     have = have or "no device code at all"
     return False, (f"nothing runs on compute capability {major}.{minor}: the file holds {have}. "
                    f"SASS only runs within one major version at an equal or higher minor, PTX only "
-                   f"JIT-compiles upward. Rebuild for arch {major}.{minor} (targets.toml `arches`, or `--arch {major}.{minor}`).")
+                   f"JIT-compiles upward. Rebuild for arch {major}.{minor} "
+                   f"(targets.toml `arches`, or `--arch {major}.{minor}`).")
 
 
 def main(argv: list[str] | None = None) -> int:

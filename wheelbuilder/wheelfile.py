@@ -218,7 +218,8 @@ def read_build_info(wheel: Path | str) -> dict | None:
     try:
         return json.loads(raw)
     except ValueError as e:
-        raise AuditError(f"{wheel.name}: {dist_info}/{BUILD_INFO} is not valid JSON ({e}); rebuild the wheel.") from None
+        raise AuditError(f"{wheel.name}: {dist_info}/{BUILD_INFO} is not valid JSON ({e}); "
+                         "rebuild the wheel.") from None
 
 
 def build_info(target, recipe, **more) -> bytes:

@@ -1,0 +1,194 @@
+"""manifest.json beside the wheels in dist/wheels/<target>/: what each wheel is, and proof it is intact.
+
+    dist/wheels/cu130-sm120/
+        causal_conv1d-1.7.0+cu130torch2.11sm120-cp311-cp311-linux_x86_64.whl
+        manifest.json     {"format": 1, "wheels": [{filename, size, sha256, recipe, ..., arches, toolchain}]}
+
+The build adds one entry per wheel (`write_manifest`, merged with what is there); the runtime image
+build refuses wheels that do not match it (`verify_wheels`, or `python -m wheelbuilder.manifest DIR`).
+The file is deterministic: sorted keys, wheels sorted by file name, no time stamps beyond the
+recorded build time and SOURCE_DATE_EPOCH; it is replaced atomically (temp file + os.replace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from .errors import AuditError, BuildError
+from .wheelfile import wheel_sha256
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """Versions of what built the wheel (strings as the tools print them)."""
+
+    nvcc: str  # "13.0.88"
+    torch: str  # "2.11.0"
+    python: str  # "3.11.2"
+    host_compiler: str  # "gcc 12.2.0"
+
+
+@dataclass(frozen=True)
+class WheelEntry:
+    """One wheel in the manifest."""
+
+    filename: str  # the .whl file name, in the manifest's folder
+    size: int  # bytes
+    sha256: str  # hex digest of the .whl file
+    recipe: str  # recipe name in targets.toml, e.g. "causal-conv1d"
+    recipe_version: str  # upstream version built, e.g. "1.7.0"
+    source_url: str  # the pinned sdist
+    source_sha256: str  # its hex sha256
+    target: str  # target name, e.g. "cu130-sm120"
+    arches: dict[str, list[int]]  # found by the audit: {"sass": [120], "ptx": []}
+    toolchain: Toolchain
+    build_seconds: float  # wall time of the compile
+    source_date_epoch: int  # the zip timestamps of the wheel (seconds since 1970)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "WheelEntry":
+        names = {f.name for f in fields(cls)}
+        missing, unknown = names - d.keys(), d.keys() - names
+        if missing or unknown:
+            raise AuditError(
+                f"{where}: a wheel entry has missing keys {sorted(missing)} / unknown keys {sorted(unknown)}. "
+                "The manifest was written by another version or edited by hand; rebuild the wheels (make wheels)."
+            )
+        try:
+            return cls(**{**d, "toolchain": Toolchain(**d["toolchain"])})
+        except TypeError as e:
+            raise AuditError(f"{where}: toolchain record is malformed ({e}); "
+                             "rebuild the wheels (make wheels).") from None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    wheels: tuple[WheelEntry, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> str:
+        data = {"format": FORMAT, "wheels": [asdict(w) for w in sorted(self.wheels, key=lambda w: w.filename)]}
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def by_filename(self) -> dict[str, WheelEntry]:
+        return {w.filename: w for w in self.wheels}
+
+
+def entry_for(wheel: Path | str, **fields_) -> WheelEntry:
+    """A WheelEntry for a wheel on disk: filename, size and sha256 come from the file itself."""
+    wheel = Path(wheel)
+    return WheelEntry(filename=wheel.name, size=wheel.stat().st_size, sha256=wheel_sha256(wheel), **fields_)
+
+
+def read_manifest(directory: Path | str) -> Manifest:
+    """Load `<directory>/manifest.json`; a missing or malformed file is an AuditError saying what to do."""
+    path = Path(directory) / MANIFEST
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AuditError(f"{path} does not exist: these wheels were not built by `make wheels` "
+                         "(or the build did not finish); run it for this target.") from None
+    except ValueError as e:
+        raise AuditError(f"{path} is not valid JSON ({e}); delete it and rebuild the wheels (make wheels).") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("wheels"), list):
+        raise AuditError(f"{path}: expected {{'format': {FORMAT}, 'wheels': [...]}}, found format "
+                         f"{data.get('format') if isinstance(data, dict) else type(data).__name__}; "
+                         "rebuild the wheels with this version of wheelbuilder (make wheels).")
+    return Manifest(tuple(WheelEntry.from_dict(w, str(path)) for w in data["wheels"]))
+
+
+def _check_entry_matches_file(directory: Path, entry: WheelEntry) -> None:
+    wheel = directory / entry.filename
+    if not wheel.is_file():
+        raise BuildError(f"manifest entry for {entry.filename}, but no such wheel in {directory}; "
+                         "write the wheel into that folder before recording it.")
+    size, sha = wheel.stat().st_size, wheel_sha256(wheel)
+    if (size, sha) != (entry.size, entry.sha256):
+        raise BuildError(f"manifest entry for {entry.filename} says {entry.size} bytes sha256 {entry.sha256}, "
+                         f"the file is {size} bytes sha256 {sha}; record the wheel after its final repack "
+                         "(use manifest.entry_for).")
+
+
+def write_manifest(directory: Path | str, entries) -> Path:
+    """Add or replace `entries` (WheelEntry) in `<directory>/manifest.json`, keeping the other wheels'
+    entries whose files are still there (an entry for a deleted wheel is stale and dropped).
+
+    Each new entry must match its file's size and sha256 (checked first: nothing is written otherwise).
+    """
+    directory = Path(directory)
+    entries = list(entries)
+    for e in entries:
+        _check_entry_matches_file(directory, e)
+    merged = read_manifest(directory).by_filename() if (directory / MANIFEST).exists() else {}
+    merged = {name: w for name, w in merged.items() if (directory / name).is_file()}
+    merged.update({e.filename: e for e in entries})
+    text = Manifest(tuple(merged.values())).to_json()
+
+    path = directory / MANIFEST
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{MANIFEST}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def verify_wheels(directory: Path | str) -> list[str]:
+    """Problems that make the folder's wheels untrustworthy (empty list: all good): a missing or
+    unreadable manifest, a listed wheel missing or with another size/sha256, a .whl nobody listed."""
+    directory = Path(directory)
+    try:
+        manifest = read_manifest(directory)
+    except AuditError as e:
+        return [str(e)]
+    problems = []
+    if not manifest.wheels:
+        problems.append(f"{directory / MANIFEST} lists no wheels; build them with `make wheels`.")
+    for w in manifest.wheels:
+        wheel = directory / w.filename
+        if not wheel.is_file():
+            problems.append(f"{w.filename} is listed in {MANIFEST} but missing from {directory}; "
+                            "rebuild it (make wheels).")
+            continue
+        size, sha = wheel.stat().st_size, wheel_sha256(wheel)
+        if (size, sha) != (w.size, w.sha256):
+            problems.append(f"{w.filename}: {MANIFEST} records {w.size} bytes sha256 {w.sha256}, the file is "
+                            f"{size} bytes sha256 {sha}: it changed after the build; rebuild it (make wheels).")
+    listed = manifest.by_filename()
+    for extra in sorted(p.name for p in directory.glob("*.whl") if p.name not in listed):
+        problems.append(f"{extra} is in {directory} but not in {MANIFEST}; remove it or rebuild (make wheels).")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m wheelbuilder.manifest DIR...`: verify wheels against their manifest.json (exit 1 on problems)."""
+    parser = argparse.ArgumentParser(prog="python -m wheelbuilder.manifest", description=main.__doc__)
+    parser.add_argument("dirs", nargs="+", type=Path, help="folders holding wheels and manifest.json")
+    args = parser.parse_args(argv)
+    bad = 0
+    for d in args.dirs:
+        problems = verify_wheels(d)
+        for p in problems:
+            print(f"{d}: {p}", file=sys.stderr)
+        if not problems:
+            print(f"{d}: {len(read_manifest(d).wheels)} wheel(s) match {MANIFEST}")
+        bad += bool(problems)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
