@@ -36,7 +36,7 @@ def run(
     if not quiet:
         echo(f"+ {shlex.join(cmd)}")
     lines: list[str] = []
-    logf = open(log, "a", encoding="utf-8") if log else None
+    logf = open(log, "a", encoding="utf-8", buffering=1) if log else None  # line-buffered: tail -f works
     try:
         if logf:
             logf.write(f"+ {shlex.join(cmd)}\n")

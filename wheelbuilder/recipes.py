@@ -80,11 +80,23 @@ def unpack(sdist: Path, build_dir: Path) -> Path:
         shutil.rmtree(build_dir)
     build_dir.mkdir(parents=True)
     with tarfile.open(sdist) as tar:
-        tar.extractall(build_dir, filter="data")
+        _check_members(tar, build_dir, sdist)
+        tar.extractall(build_dir)
     roots = [p for p in build_dir.iterdir() if p.is_dir()]
     if len(roots) != 1:
         raise SourceError(f"{sdist.name}: expected one top-level directory, found {[p.name for p in roots]}.")
     return roots[0]
+
+
+def _check_members(tar: tarfile.TarFile, dest: Path, sdist: Path) -> None:
+    """Refuse absolute paths, `..` escapes, links and device files (the `data` filter of Python >=
+    3.11.4, which Debian 12's 3.11.2 lacks)."""
+    root = dest.resolve()
+    for m in tar.getmembers():
+        target = (root / m.name).resolve()
+        if not (m.isfile() or m.isdir()) or (target != root and root not in target.parents):
+            raise SourceError(f"{sdist.name}: member {m.name!r} is not a plain file or directory inside the "
+                              "archive's folder; refusing to unpack it.")
 
 
 def _gencode_lines(arches: tuple[Arch, ...], variable: str, indent: str) -> str:
