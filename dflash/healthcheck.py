@@ -10,6 +10,7 @@ The full doctor runs once, at container start (`dflash doctor --save /tmp/dflash
     heartbeat (DFLASH_HEARTBEAT, default /tmp/dflash/heartbeat; JSON {"time": unix s, "step": n})
         missing                  -> no trainer running: nothing to check
         {"finished": true}       -> the trainer ended on purpose: nothing to check
+        {"pid": n}, n gone       -> the trainer is no longer running: nothing to check
         older than DFLASH_HEARTBEAT_MAX_AGE s (default 600) -> exit 1 "trainer stalled"
     otherwise                    -> exit 0
 
@@ -50,7 +51,7 @@ def heartbeat_path() -> Path:
 def write_heartbeat(step: int, path: Path | str | None = None, *, finished: bool = False, now: float | None = None) -> Path:
     """Record that the trainer is alive at `step` (atomically). `finished=True` on a clean exit tells
     the health check that a silent heartbeat is expected from now on."""
-    data = {"time": time.time() if now is None else now, "step": int(step)}
+    data = {"time": time.time() if now is None else now, "step": int(step), "pid": os.getpid()}
     if finished:
         data["finished"] = True
     return write_json_atomic(path or heartbeat_path(), data)
@@ -94,6 +95,8 @@ def check_heartbeat(path: Path, max_age: float, now: float | None = None) -> Hea
         return Health(True, "trainer: none running (no heartbeat)")
     if data.get("finished"):
         return Health(True, f"trainer: finished at step {data.get('step')}")
+    if isinstance(data.get("pid"), int) and not _alive(data["pid"]):
+        return Health(True, f"trainer: not running (pid {data['pid']} ended at step {data.get('step')})")
     beat = data.get("time")
     if not isinstance(beat, (int, float)):
         return Health(False, f"trainer heartbeat {path} has no numeric 'time' (got {beat!r})")
@@ -102,6 +105,17 @@ def check_heartbeat(path: Path, max_age: float, now: float | None = None) -> Hea
         return Health(False, f"trainer stalled: last heartbeat {age:.0f} s ago at step {data.get('step')} "
                              f"(limit {max_age:.0f} s, {MAX_AGE_ENV})")
     return Health(True, f"trainer: step {data.get('step')}, heartbeat {max(age, 0):.0f} s ago")
+
+
+def _alive(pid: int) -> bool:
+    """Does process `pid` exist? (`docker exec` shares the container's PID namespace with the trainer.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
 
 
 def check(report: Path, heartbeat: Path, max_age: float, now: float | None = None) -> Health:

@@ -83,6 +83,18 @@ def test_finished_trainer_is_not_stale(paths, capsys):
     assert code == 0 and "finished at step 1000" in out
 
 
+def test_stale_heartbeat_of_an_ended_trainer(paths, capsys):
+    """A heartbeat whose writer process is gone means no trainer runs: nothing to be stale."""
+    import subprocess
+    import sys
+
+    save_verdict(paths[0])
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    paths[1].write_text(json.dumps({"time": time.time() - 10 ** 5, "step": 9, "pid": int(ended.stdout)}))
+    code, out = run(capsys)
+    assert code == 0 and "not running" in out and "step 9" in out
+
+
 def test_broken_verdict_beats_a_fresh_heartbeat(paths, capsys):
     save_verdict(paths[0], "arch")
     healthcheck.write_heartbeat(5, paths[1])
