@@ -3,6 +3,8 @@ compatibility rules of `covers` and the byte-level parser on hand-made container
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import shutil
 import struct
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from wheelbuilder.audit import audit_so
 from wheelbuilder.errors import AuditError
 from wheelbuilder.fatbin import (FATBIN_MAGIC, FatbinEntry, arch_summary, covers, main, needed_libraries,
                                  parse_fatbin_section, read_fatbin)
@@ -118,6 +121,19 @@ def test_cli_json_and_coverage_exit_code(cuda_objects, capsys):
     assert "NOT COVERED" in capsys.readouterr().out
 
 
+@pytest.mark.nvcc
+def test_audit_so_wants_exactly_the_asked_arches(cuda_objects):
+    assert audit_so(cuda_objects["sm120.so"], ["12.0"]).ok
+    assert audit_so(cuda_objects["sm90_ptx.so"], ["9.0+PTX"]).modules["sm90_ptx.so"]["arches"] == {"sass": [90],
+                                                                                                 "ptx": [90]}
+    with pytest.raises(AuditError, match=r"SASS: seen sm_120; expected sm_90"):
+        audit_so(cuda_objects["sm120.so"], ["9.0"])
+    with pytest.raises(AuditError, match=r"SASS: seen sm_90, sm_120; expected sm_120"):
+        audit_so(cuda_objects["sm90_sm120_rdc.so"], ["12.0"])
+    with pytest.raises(AuditError, match=r"SASS: seen sm_120a; expected sm_120"):
+        audit_so(cuda_objects["sm120a.so"], ["12.0"])
+
+
 def test_not_an_elf_file_is_a_clear_error(tmp_path):
     f = tmp_path / "k.cu"
     f.write_text(KERNEL)
@@ -184,3 +200,21 @@ def test_damaged_fatbins_fail_loudly():
 def test_covers_follows_cuda_compatibility_rules(summary, sm, ok, says):
     got, reason = covers(summary, sm)
     assert got is ok and says in reason
+
+
+# --- a vendor library as shipped (no nvcc needed) ------------------------------------------------
+
+def test_reads_the_installed_curand_like_cuobjdump():
+    """libcurand from torch's CUDA wheels: many containers, compressed PTX, SASS for every arch.
+    cuobjdump 13.2 lists the same entries (11 cubins per arch, 10 PTX for sm_121) for 10.4.0.35."""
+    spec = importlib.util.find_spec("nvidia")
+    libs = sorted(Path(p) for d in (spec.submodule_search_locations if spec else []) for p in
+                  glob.glob(f"{d}/cu13/lib/libcurand.so.*"))
+    if not libs:
+        pytest.skip("torch's nvidia-curand wheel is not installed")
+    entries = read_fatbin(libs[0])
+    summary = arch_summary(libs[0])
+    assert {90, 120}.issubset(summary["sass"]) and covers(summary, 120)[0]
+    per_arch = {sm: sum(e.sm == sm for e in entries if e.kind == "sass") for sm in summary["sass"]}
+    assert len(set(per_arch.values())) == 1  # every kernel module is built for every arch
+    assert all(e.compressed for e in entries if e.kind == "ptx")

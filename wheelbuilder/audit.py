@@ -94,8 +94,9 @@ class AuditReport:
         return self
 
 
-def _sms(sms) -> str:
-    return ", ".join(f"sm_{s}" for s in sms) or "none"
+def _sms(sms, suffix: str = "", only=()) -> str:
+    """"sm_90, sm_120a": SMs in nvcc's spelling, `suffix` added to those in `only`."""
+    return ", ".join(f"sm_{s}{suffix if s in only else ''}" for s in sms) or "none"
 
 
 def check_arches(report: AuditReport, subject: str, summary: dict, arches: tuple[Arch, ...]) -> None:
@@ -104,7 +105,9 @@ def check_arches(report: AuditReport, subject: str, summary: dict, arches: tuple
     want_ptx = sorted({a.sm for a in arches if a.ptx})
     fix = ("the arch patch did not take effect, or the wrong arches were asked for: check the build log's "
            "-gencode flags and the recipe's arch_patch in targets.toml, then rebuild")
-    report.add("arches", f"{subject} SASS", summary["sass"] == want_sass, _sms(summary["sass"]), _sms(want_sass), fix)
+    # arch-specific code (sm_120a) runs on that exact GPU only: never what a target's "12.0" asks for
+    seen_sass = _sms(summary["sass"], suffix="a", only=summary.get("arch_specific", ()))
+    report.add("arches", f"{subject} SASS", seen_sass == _sms(want_sass), seen_sass, _sms(want_sass), fix)
     report.add("arches", f"{subject} PTX", summary["ptx"] == want_ptx, _sms(summary["ptx"]).replace("sm_", "compute_"),
                _sms(want_ptx).replace("sm_", "compute_"), fix + " (PTX comes only from arches written as X.Y+PTX)")
 
