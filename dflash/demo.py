@@ -1,0 +1,373 @@
+"""The built-in demo: a tiny Qwen3.5-style hybrid target that has really learned something.
+
+`dflash-train` with no arguments needs a target that runs on a CPU in seconds, yet behaves like a
+language model: a random-weight model repeats one token, which makes any drafter look perfect. So the
+demo target is pre-trained briefly on a synthetic chat corpus with learnable structure (counting,
+letter and calendar sequences, small fact lookups, copying), and its greedy continuations are varied.
+
+    corpus (10 task templates, ChatML) --> byte-level BPE tokenizer (dflash.tokenizer, with <|mask|>)
+                                       --> Qwen3_5ForCausalLM, model_type qwen3_5_text:
+                                           GatedDeltaNet layers + full-attention layers (3:1 as in Qwen3.5)
+                                       --> pre-train, probe greedy answers, save as an HF directory
+
+The built directory is cached under a name keyed by a hash of every build parameter and written
+atomically (built in a temporary sibling, then renamed), so concurrent or interrupted builds never
+leave a half-written target where a good one belongs. It loads through `dflash.target.Target.load`
+like any real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import string
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------
+# The synthetic corpus. Each task turns a random draw into (prompt, answer); answers are deterministic
+# functions of the prompt and run for 10-40 tokens, so several future tokens are predictable from the
+# context: exactly what a DFlash drafter has to learn.
+# --------------------------------------------------------------------------------------------------
+
+WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
+MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august", "september",
+          "october", "november", "december"]
+COLORS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple"]
+WORDS = ["apple", "river", "stone", "cloud", "tree", "house", "bird", "light", "road", "fire", "sea",
+         "book", "hill", "rain", "star", "wind"]
+# animal -> (home, food, trait): a small table the target memorises, answered in a fixed sentence frame
+ANIMALS = {
+    "fox": ("forest", "mice", "quick"), "owl": ("barn", "insects", "wise"), "cat": ("house", "fish", "lazy"),
+    "dog": ("yard", "meat", "loyal"), "bear": ("cave", "honey", "strong"), "frog": ("pond", "flies", "green"),
+    "horse": ("field", "hay", "fast"), "duck": ("lake", "bread", "noisy"), "wolf": ("mountain", "deer", "wild"),
+    "mouse": ("wall", "cheese", "small"), "goat": ("hill", "grass", "stubborn"), "bee": ("hive", "nectar", "busy"),
+}
+
+
+def _count(rng: random.Random) -> tuple[str, str]:
+    start = rng.randint(0, 80)
+    step = rng.choice([1, 1, 1, 2, 3, 5])
+    seq = [start + k * step for k in range(rng.randint(5, 12))]
+    verb = "count" if step == 1 else f"count by {step}"
+    return f"{verb} from {seq[0]} to {seq[-1]}", ", ".join(map(str, seq)) + "."
+
+
+def _countdown(rng: random.Random) -> tuple[str, str]:
+    start = rng.randint(8, 60)
+    seq = list(range(start, start - rng.randint(5, 10), -1))
+    return f"count down from {seq[0]} to {seq[-1]}", ", ".join(map(str, seq)) + ", done."
+
+
+def _letters(rng: random.Random) -> tuple[str, str]:
+    a = rng.randint(0, 18)
+    b = min(25, a + rng.randint(4, 10))
+    letters = string.ascii_lowercase[a:b + 1]
+    return f"letters from {letters[0]} to {letters[-1]}", " ".join(letters)
+
+
+def _cycle(rng: random.Random, names: list[str], unit: str) -> tuple[str, str]:
+    i = rng.randrange(len(names))
+    n = rng.randint(3, 6)
+    after = [names[(i + k) % len(names)] for k in range(1, n + 1)]
+    return f"which {unit}s come after {names[i]}?", f"after {names[i]} come " + ", ".join(after) + "."
+
+
+def _weekdays(rng: random.Random) -> tuple[str, str]:
+    return _cycle(rng, WEEKDAYS, "day")
+
+
+def _months(rng: random.Random) -> tuple[str, str]:
+    return _cycle(rng, MONTHS, "month")
+
+
+def _animal(rng: random.Random) -> tuple[str, str]:
+    name = rng.choice(sorted(ANIMALS))
+    home, food, trait = ANIMALS[name]
+    return (f"tell me about the {name}",
+            f"the {name} lives in the {home}. it eats {food}. the {name} is {trait}.")
+
+
+def _repeat(rng: random.Random) -> tuple[str, str]:
+    words = rng.sample(WORDS + COLORS, rng.randint(3, 6))
+    return "repeat after me: " + " ".join(words), " ".join(words)
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    words = rng.sample(WORDS, rng.randint(3, 5))
+    return "reverse: " + " ".join(words), " ".join(reversed(words))
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
+    return f"what is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+
+
+def _colors(rng: random.Random) -> tuple[str, str]:
+    color = rng.choice(COLORS)
+    things = rng.sample(WORDS, 3)
+    return (f"describe a {color} scene",
+            f"a {color} {things[0]}, a {color} {things[1]} and a {color} {things[2]}.")
+
+
+TASKS = [_count, _countdown, _letters, _weekdays, _months, _animal, _repeat, _reverse, _add, _colors]
+
+
+def sample_exchange(rng: random.Random) -> tuple[str, str]:
+    """One (prompt, answer) pair from a uniformly chosen task."""
+    return rng.choice(TASKS)(rng)
+
+
+def demo_conversations(n: int, seed: int = 0, multi_turn_every: int = 5) -> list[list[dict]]:
+    """`n` built-in chat conversations: [{"role": "user"|"assistant", "content": str}, ...].
+
+    Every `multi_turn_every`-th one has two user/assistant exchanges. The assistant answers are the
+    templates' reference answers: placeholders that `dflash.data.regenerate` replaces with the
+    target's own responses (the target imitates them only as well as its short pre-training allows).
+    """
+    rng = random.Random(seed)
+    convs = []
+    for i in range(n):
+        turns = 2 if multi_turn_every and i % multi_turn_every == multi_turn_every - 1 else 1
+        messages = []
+        for _ in range(turns):
+            prompt, answer = sample_exchange(rng)
+            messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        convs.append(messages)
+    return convs
+
+
+def _train_texts(convs: list[list[dict]]) -> list[str]:
+    """Plain text for the BPE trainer: roles and contents as the chat template lays them out."""
+    return ["\n".join(f"{m['role']}\n{m['content']}" for m in messages) for messages in convs]
+
+
+# --------------------------------------------------------------------------------------------------
+# Building the target
+# --------------------------------------------------------------------------------------------------
+BUILD_VERSION = 1  # bump whenever the corpus, tokenizer, model shape or recipe changes meaning
+RECORD = "demo.json"  # written last: a directory without a matching record is not a finished build
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """Every parameter of a demo build; its hash names the cache directory."""
+
+    seed: int = 0
+    pretrain_steps: int = 300          # optimizer steps over packed rows of the corpus
+    corpus_size: int = 12000           # conversations in the pre-training corpus
+    vocab_size: int = 768              # BPE vocabulary incl. 4 special tokens and 256 bytes
+    hidden_size: int = 96
+    intermediate_size: int = 256
+    num_layers: int = 8                # 6 GatedDeltaNet + 2 full attention with the 3:1 pattern
+    full_attention_interval: int = 4   # every 4th layer is full attention, as in Qwen3.5
+    seq_len: int = 128                 # packed row length; the torch GatedDeltaNet runs 64-token chunks
+    batch_size: int = 16               # rows per step
+    lr: float = 3e-3                   # AdamW peak; 5% warmup, cosine to 10%
+
+    def key(self) -> str:
+        blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def layer_types(self) -> list[str]:
+        return ["full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                for i in range(self.num_layers)]
+
+
+def default_demo_dir() -> Path:
+    """Where demo targets are cached: $DFLASH_DEMO_CACHE, else ~/.cache/dflash/demo."""
+    env = os.environ.get("DFLASH_DEMO_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "dflash" / "demo"
+
+
+def read_demo_record(path) -> dict | None:
+    """The build record of a finished demo target directory, or None if it is missing or unreadable."""
+    try:
+        return json.loads((Path(path) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_complete(path: Path, spec: DemoSpec) -> bool:
+    record = read_demo_record(path)
+    files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    return bool(record) and record.get("key") == spec.key() and all((path / f).is_file() for f in files)
+
+
+def build_demo_target(out_dir=None, *, seed: int = 0, pretrain_steps: int = DemoSpec.pretrain_steps,
+                      progress: bool = True) -> Path:
+    """Build (or reuse) the demo target under `out_dir` and return its HF model directory.
+
+    The directory is `out_dir/demo-target-<hash of the build parameters>`; an existing complete one
+    is reused, an incomplete one rebuilt. `out_dir` defaults to `default_demo_dir()`. Builds take
+    about a minute on one CPU core. Under torchrun, build on rank 0 and barrier before the others
+    load it (concurrent builds are safe, just wasted work: the first rename wins).
+    """
+    spec = DemoSpec(seed=seed, pretrain_steps=pretrain_steps)
+    if pretrain_steps < 0:
+        raise ValueError(f"pretrain_steps must be >= 0, got {pretrain_steps}")
+    root = Path(out_dir) if out_dir is not None else default_demo_dir()
+    final = root / f"demo-target-{spec.key()}"
+    if _is_complete(final, spec):
+        return final
+    if final.exists():
+        log.warning("%s is incomplete (no matching %s); rebuilding it", final, RECORD)
+        shutil.rmtree(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        _build_into(tmp, spec, progress)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final, spec):  # someone else's rename won only if theirs is complete
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _pack_rows(token_lists: list[list[int]], seq_len: int, pad_id: int) -> torch.Tensor:
+    """Pack whole conversations into rows of `seq_len` tokens -> LongTensor [R, seq_len] (pad_id-filled).
+
+    Rows start at a conversation boundary, as generation does; a conversation longer than a row is cut.
+    """
+    rows, row = [], []
+    for ids in token_lists:
+        ids = ids[:seq_len]
+        if len(row) + len(ids) > seq_len:
+            rows.append(row + [pad_id] * (seq_len - len(row)))
+            row = []
+        row += ids
+    if row:
+        rows.append(row + [pad_id] * (seq_len - len(row)))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _lr_at(step: int, spec: DemoSpec) -> float:
+    warmup = max(1, spec.pretrain_steps // 20)
+    if step < warmup:
+        return spec.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, spec.pretrain_steps - warmup)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _new_model(spec: DemoSpec, tokenizer):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, layer_types=spec.layer_types(),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        # GatedDeltaNet layers: 4 key heads and 4 value heads of 16 dims, a width-4 causal conv
+        linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, hidden_act="silu", max_position_embeddings=2048,
+        # Qwen3.5 rotates a quarter of each head (8 of 32 dims); mrope_section must sum to 8 / 2
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3_5ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _route_kernels(model) -> None:
+    # transformers 5.24 sends CPU tensors to fla's Triton kernels when fla is installed; route them
+    # to the torch references as the target does (see dflash.target).
+    from dflash.target import route_kernels_by_device
+
+    route_kernels_by_device(sys.modules[type(model).__module__])
+
+
+def _pretrain(model, rows: torch.Tensor, spec: DemoSpec, pad_id: int, progress: bool) -> list[float]:
+    """Next-token training on packed rows [R, T]; returns the loss of every step."""
+    from tqdm.auto import tqdm
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(spec.seed)
+    order, cursor, losses = torch.randperm(len(rows), generator=gen), 0, []
+    bar = tqdm(range(spec.pretrain_steps), desc="pre-train demo target", unit="step", disable=not progress)
+    for step in bar:
+        if cursor + spec.batch_size > len(order):
+            order, cursor = torch.randperm(len(rows), generator=gen), 0
+        batch = rows[order[cursor:cursor + spec.batch_size]]
+        cursor += spec.batch_size
+        labels = batch.masked_fill(batch == pad_id, -100)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, spec)
+        loss = model(input_ids=batch, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def answer_diversity(answers: list[list[int]]) -> dict:
+    """How varied greedy answers are: distinct tokens overall, and the largest share any one token takes."""
+    tokens = [t for answer in answers for t in answer]
+    top = max(Counter(tokens).values()) if tokens else 0
+    return {"tokens": len(tokens), "distinct_tokens": len(set(tokens)),
+            "top_token_share": round(top / len(tokens), 3) if tokens else 1.0}
+
+
+def probe_greedy(model, tokenizer, n_prompts: int = 16, max_new_tokens: int = 48, seed: int = 99) -> dict:
+    """Greedy answers to held-out demo prompts: diversity, exact-match rate, and a few samples."""
+    from dflash.data import generate_replies
+
+    convs = demo_conversations(n_prompts, seed=seed, multi_turn_every=0)
+    replies, n_cut = generate_replies(model, tokenizer, [c[:1] for c in convs], max_new_tokens)
+    answers = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in replies]
+    exact = sum(r == c[1]["content"] for r, c in zip(replies, convs))
+    return {**answer_diversity(answers), "exact_match": round(exact / len(convs), 3), "cut": n_cut,
+            "samples": [[c[0]["content"], r] for c, r in zip(convs[:6], replies)]}
+
+
+def _build_into(path: Path, spec: DemoSpec, progress: bool) -> None:
+    """Build tokenizer + model, pre-train, probe, and save everything (record last) into `path`."""
+    from dflash.tokenizer import build_chat_tokenizer
+
+    started = time.monotonic()
+    # the corpus seed is derived, so demo_conversations(n, seed) prompts are not the corpus verbatim
+    corpus = demo_conversations(spec.corpus_size, seed=spec.seed + 7919)
+    tokenizer = build_chat_tokenizer(_train_texts(corpus), spec.vocab_size)
+    model = _new_model(spec, tokenizer)
+    _route_kernels(model)
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in corpus]
+    token_lists = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    rows = _pack_rows(token_lists, spec.seq_len, tokenizer.pad_token_id)
+    losses = _pretrain(model, rows, spec, tokenizer.pad_token_id, progress)
+    probe = probe_greedy(model, tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    record = {
+        "key": spec.key(), "build_version": BUILD_VERSION, "spec": asdict(spec),
+        "params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer),
+        "rows": len(rows), "loss_first": round(losses[0], 4) if losses else None,
+        "loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
+        "probe": probe, "seconds": round(time.monotonic() - started, 1), "torch": torch.__version__,
+    }
+    (path / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    log.info("demo target built in %.0f s: loss %s -> %s, greedy answers use %d distinct tokens",
+             record["seconds"], record["loss_first"], record["loss_last10"], probe["distinct_tokens"])
