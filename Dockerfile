@@ -48,6 +48,8 @@ ARG MAX_JOBS=
 ARG NVCC_THREADS=
 # Changing this re-runs the compile without touching other layers (the reproducibility check uses it).
 ARG REBUILD=0
+# Set to 1 to compile without ccache (a cold build, e.g. for the reproducibility check).
+ARG CCACHE_DISABLE=
 ENV SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH} \
     CCACHE_DIR=/root/.cache/ccache \
     WHEELBUILDER_CACHE=/root/.cache/wheelbuilder
@@ -60,6 +62,7 @@ RUN --mount=type=cache,id=ccache-${TARGET},target=/root/.cache/ccache \
     if [ -s /run/secrets/ca ]; then export SSL_CERT_FILE=/run/secrets/ca; fi; \
     if [ -n "$MAX_JOBS" ]; then export MAX_JOBS; else unset MAX_JOBS; fi; \
     if [ -n "$NVCC_THREADS" ]; then export NVCC_THREADS; else unset NVCC_THREADS; fi; \
+    if [ -n "$CCACHE_DISABLE" ]; then export CCACHE_DISABLE; else unset CCACHE_DISABLE; fi; \
     echo "rebuild ${REBUILD}" >/dev/null \
  && export CUDA_HOME="$(python -m wheelbuilder prepare-toolkit)" \
  && python -m wheelbuilder build --target "$TARGET" --out /out --build-dir /build --log-dir /out/logs

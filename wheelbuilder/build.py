@@ -130,10 +130,11 @@ def compile_recipe(recipe: Recipe, target: Target, toolchain: Toolchain, plan: P
     })
     env.pop("TORCH_CUDA_ARCH_LIST", None)  # the arch patch decides; an inherited list would only confuse
     if shutil.which("ccache") and not os.environ.get("WHEELBUILDER_NO_CCACHE"):
+        # nvcc through torch's PYTORCH_NVCC hook; the host compiler through ccache's masquerade
+        # directory (CXX="ccache c++" would break torch's compiler version check).
         env["PYTORCH_NVCC"] = f"ccache {toolchain.cuda_home}/bin/nvcc"
-        env["CXX"] = "ccache " + env.get("CXX", "c++")
-        env.setdefault("CCACHE_BASEDIR", str(src))
-        env.setdefault("CCACHE_NOHASHDIR", "1")
+        if Path("/usr/lib/ccache").is_dir():
+            env["PATH"] = f"/usr/lib/ccache:{env['PATH']}"
     raw = stage / "raw"
     raw.mkdir()
     progress = _Progress(f"{recipe.name} {target.local_version()}")
