@@ -10,6 +10,10 @@ from pathlib import Path
 
 import torch
 
+# Models this small spend their time synchronising threads, not computing: one thread is ~10x faster
+# on a loaded 2-core machine (a 26 ms instead of 264 ms forward of the tiny hybrid).
+torch.set_num_threads(1)
+
 VOCAB = 96  # word tokens w0..w(VOCAB-5) plus 4 specials
 SPECIALS = ["<pad>", "<eos>", "<unk>", "<|MASK|>"]
 
