@@ -234,9 +234,28 @@ def carried_files(info: ImageInfo, members: dict[str, tarfile.TarInfo],
         wrapper = f"./usr/local/bin/{os.path.basename(prog)}"
         if real and "." + real != wrapper:
             files[wrapper] = (f'#!/bin/sh\nexec /usr/local/bin/dflash-env {shlex.quote(real)} "$@"\n'.encode(), 0o755)
-    if "./sbin/init" not in members and "./usr/sbin/init" not in members:
-        files["./sbin/init"] = (INIT_SHIM.encode(), 0o755)
-    return files
+    init = through_links("./sbin/init", members)
+    if init not in members:
+        files[init] = (INIT_SHIM.encode(), 0o755)
+    return {through_links(k, members): v for k, v in files.items()}
+
+
+def through_links(path: str, members: dict[str, tarfile.TarInfo]) -> str:
+    """Rewrite `path` through symlinked parent directories of the rootfs (merged /usr: ./sbin ->
+    usr/sbin), so a tar entry never has to be written through a link whose target comes later."""
+    parts = path.removeprefix("./").split("/")
+    for _ in range(40):  # bounded: a link loop in an image must not hang the export
+        for i in range(1, len(parts)):
+            ti = members.get("./" + "/".join(parts[:i]))
+            if ti is not None and ti.issym():
+                target = ti.linkname
+                base = [] if target.startswith("/") else parts[:i - 1]
+                resolved = os.path.normpath("/".join(base + [target.lstrip("/")])).split("/")
+                parts = resolved + parts[i:]
+                break
+        else:
+            return "./" + "/".join(parts)
+    raise ExportError(f"symlink loop while resolving {path} in the image's rootfs.")
 
 
 def resolve_in_rootfs(prog: str, path_var: str, members: dict[str, tarfile.TarInfo]) -> str | None:

@@ -151,3 +151,13 @@ def test_cuda_comes_from_the_target_label():
     assert export.image_cuda({"io.dflash.target": "cu128-sm120"}, {}) == "12.8"
     assert export.image_cuda({}, {"CUDA_VERSION": "12.8.1"}) == "12.8.1"
     assert export.image_cuda({}, {}) is None
+
+
+def test_carried_files_go_through_merged_usr_links():
+    sbin = tarfile.TarInfo("./sbin")
+    sbin.type, sbin.linkname = tarfile.SYMTYPE, "usr/sbin"
+    members = {"./sbin": sbin, "./usr/sbin": tarfile.TarInfo("./usr/sbin")}
+    files = export.carried_files(_info(), members)
+    assert "./usr/sbin/init" in files and "./sbin/init" not in files
+    members["./usr/sbin/init"] = tarfile.TarInfo("./usr/sbin/init")
+    assert "./usr/sbin/init" not in export.carried_files(_info(), members)
