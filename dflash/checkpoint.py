@@ -20,6 +20,7 @@ untouched.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -195,24 +196,33 @@ def check_compatible(checkpoint: Path, drafter_config: dict, data_fingerprint: s
 
 
 # --- heartbeat -------------------------------------------------------------------------------------
-def default_heartbeat_path() -> Path:
-    return Path(os.environ.get("DFLASH_HEARTBEAT", "/tmp/dflash/heartbeat"))
-
-
 class Heartbeat:
-    """Writes {"time", "step", "pid"} atomically at most every `every` seconds (read by the health check)."""
+    """Rate-limited trainer heartbeat for the image's health check (format: dflash.healthcheck).
+
+    Written atomically at most every `every` seconds to $DFLASH_HEARTBEAT (default
+    /tmp/dflash/heartbeat); `finish()` marks a deliberate end so a silent trainer is not "stalled".
+    """
 
     def __init__(self, path: Path | None = None, every: float = 5.0):
-        self.path = path or default_heartbeat_path()
+        from .healthcheck import heartbeat_path
+
+        self.path = Path(path) if path else heartbeat_path()
         self.every = every
-        self._last = 0.0
+        self._last = float("-inf")
 
     def beat(self, step: int, *, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self._last < self.every:
-            return
-        self._last = now
+        now = time.monotonic()
+        if force or now - self._last >= self.every:
+            self._last = now
+            self._write(step, finished=False)
+
+    def finish(self, step: int) -> None:
+        self._write(step, finished=True)
+
+    def _write(self, step: int, finished: bool) -> None:
+        from .healthcheck import write_heartbeat
+
         try:
-            atomic_write_text(self.path, json.dumps({"time": now, "step": step, "pid": os.getpid()}) + "\n")
-        except OSError:
-            pass  # a read-only /tmp must not stop training; the health check then reports a stale beat
+            write_heartbeat(step, self.path, finished=finished)
+        except OSError as exc:  # a read-only /tmp must not stop training; the health check sees no beat
+            logging.getLogger("dflash.train").warning("cannot write the heartbeat %s: %s", self.path, exc)

@@ -120,8 +120,6 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def _eval(argv) -> int:
-    import torch
-
     from . import distributed
     from .evaluate import evaluate, evaluate_baseline
     from .model import Drafter
@@ -149,10 +147,8 @@ def _eval(argv) -> int:
         raise ConfigError(f"no prompt found in {args.data or args.prompts}; it needs at least one user turn.")
     results = {"drafter": evaluate(target, drafter, prompts, args.max_new_tokens)}
     if args.baselines:
-        torch.manual_seed(0)
-        fresh = Drafter(drafter.config).to(device).eval()
-        results["untrained drafter"] = evaluate(target, fresh, prompts, args.max_new_tokens)
-        results["repeat last token"] = evaluate_baseline(target, prompts, args.max_new_tokens, kind="repeat_last")
+        for name, kind in (("untrained drafter", "untrained"), ("repeat last token", "repeat_last")):
+            results[name] = evaluate_baseline(target, prompts, args.max_new_tokens, kind=kind, config=drafter.config)
     print(json.dumps(results, indent=2, default=str) if args.json else format_results(results))
     return 0 if results["drafter"].get("lossless", True) else 1
 
@@ -228,13 +224,10 @@ def _demo_data(config: TrainConfig, target, conversations: list[list[dict]], is_
 def run_demo(config: TrainConfig) -> int:
     """Build (or reuse) the tiny demo target, regenerate its data, train, then print tau beside the
     untrained-drafter and repeat-last-token baselines; <out>/eval.json keeps the numbers."""
-    import torch
-
     from . import distributed
     from .data import ChatDataset
     from .demo import build_demo_target, demo_conversations
     from .evaluate import evaluate, evaluate_baseline
-    from .model import Drafter
     from .target import Target
     from .train import dataset_items, setup_logging, train
 
@@ -255,12 +248,13 @@ def run_demo(config: TrainConfig) -> int:
         return result.exit_code
     prompts = [prompt_ids(target.tokenizer, c) for c in held_out]
     drafter = result.drafter.eval()
-    torch.manual_seed(config.seed)
-    untrained = Drafter(drafter.config).to(d.device).eval()
+    n, show = config.eval_new_tokens, config.progress
     results = {
-        "trained drafter": evaluate(target, drafter, prompts, config.eval_new_tokens),
-        "untrained drafter": evaluate(target, untrained, prompts, config.eval_new_tokens),
-        "repeat last token": evaluate_baseline(target, prompts, config.eval_new_tokens, kind="repeat_last"),
+        "trained drafter": evaluate(target, drafter, prompts, n, progress=show),
+        "untrained drafter": evaluate_baseline(target, prompts, n, kind="untrained", config=drafter.config,
+                                               seed=config.seed, progress=show),
+        "repeat last token": evaluate_baseline(target, prompts, n, kind="repeat_last", config=drafter.config,
+                                               progress=show),
     }
     atomic_write_text(config.out_dir / "eval.json", json.dumps(results, indent=2, default=str) + "\n")
     print(f"\nDFlash demo: {len(prompts)} held-out prompts, {config.eval_new_tokens} new tokens each, "

@@ -400,6 +400,8 @@ class Trainer:
         metrics_path = cfg.out_dir / "metrics.jsonl"
         window_tokens, window_start = 0, time.perf_counter()
         self.drafter.train()
+        if self.heartbeat:
+            self.heartbeat.beat(self.step, force=True)
         while self.step < self.total_steps:
             m = self._optimizer_step()
             window_tokens += m["tokens"]
@@ -426,7 +428,7 @@ class Trainer:
         bar.close()
         result.checkpoint = self.save()
         if self.heartbeat:
-            self.heartbeat.beat(self.step, force=True)
+            self.heartbeat.finish(self.step)
         result.step = self.step
         result.exit_code = self.stop.exit_code if result.stopped_by else 0
         if result.stopped_by:

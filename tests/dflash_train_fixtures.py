@@ -1,0 +1,64 @@
+"""A tiny chat-capable target and chat data for the training, checkpoint, CLI and DDP tests.
+
+The target is a random 4-layer Qwen3.5 hybrid (3 GatedDeltaNet + 1 full-attention layer) with the
+project's byte-level chat tokenizer (ChatML template, <|mask|>), saved as a real HF directory: enough
+for every mechanical test of the trainer in well under a second. The learning test uses the real,
+pre-trained demo target instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def save_chat_target(out_dir: Path, *, hidden_size: int = 32, num_layers: int = 4, seed: int = 0) -> Path:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from dflash.demo import demo_conversations
+    from dflash.tokenizer import build_chat_tokenizer
+
+    texts = [m["content"] for c in demo_conversations(200, seed=123) for m in c]
+    tokenizer = build_chat_tokenizer(texts, vocab_size=320)
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=48, num_hidden_layers=num_layers,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(config)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_chat_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
+    """`n` built-in demo conversations as a chat JSONL ({"messages": [...]} per line)."""
+    from dflash.demo import demo_conversations
+
+    path = Path(path)
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in demo_conversations(n, seed=seed)))
+    return path
+
+
+def train_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
+    """dflash-train flags for a few fast steps on the tiny target (extra: flag name -> value)."""
+    opts = dict(block_size=4, drafter_layers=1, max_length=96, max_tokens=512, batch_size=4, max_anchors=8,
+                max_steps=4, epochs=0, log_every=1, save_every=0, seed=0, device="cpu")
+    opts.update(extra)
+    argv = ["--target", str(target), "--data", str(data), "--out", str(out), "--no-progress"]
+    for key, value in opts.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line]

@@ -1,0 +1,174 @@
+"""The training loop: anchors and blocks against plain loops, the LR schedule, resume == uninterrupted,
+SIGTERM/SIGINT handling, refusal to resume a mismatched run, and (slow) a demo run that really learns."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash import checkpoint as ckpt
+from dflash.config import TrainConfig
+from dflash.train import build_blocks, lr_lambda, sample_anchors, train
+from dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return save_chat_target(root / "target"), write_chat_jsonl(root / "chat.jsonl", n=24)
+
+
+# --- anchors and blocks ----------------------------------------------------------------------------
+def test_anchors_sit_where_the_anchor_and_its_next_token_are_supervised():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0, 1])
+    every = sample_anchors(mask, 100, torch.Generator().manual_seed(0))
+    assert every.tolist() == [2, 3, 6]  # 4 -> 5 and 7 -> 8 leave the answer; 9 is the last token
+    few = sample_anchors(torch.ones(50, dtype=torch.long), 5, torch.Generator().manual_seed(1))
+    assert len(few) == 5 and few.tolist() == sorted(set(few.tolist())) and few.max() < 49
+    again = sample_anchors(torch.ones(50, dtype=torch.long), 5, torch.Generator().manual_seed(1))
+    assert torch.equal(few, again)
+
+
+def test_blocks_match_a_plain_loop():
+    torch.manual_seed(0)
+    bs, mask_id = 4, 99
+    ids = torch.randint(0, 50, (2, 9))
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    anchors = [torch.tensor([1, 5]), torch.tensor([7])]
+    blocks = build_blocks(ids, loss_mask, anchors, bs, mask_id)
+    assert blocks.block_ids.shape == (2, 2, bs) and blocks.labels.shape == (2, 2, bs - 1)
+    for b in range(2):
+        for n in range(2):
+            real = n < len(anchors[b])
+            assert bool(blocks.anchor_valid[b, n]) == real
+            if not real:
+                assert not blocks.label_valid[b, n].any()
+                continue
+            a = int(anchors[b][n])
+            assert blocks.block_ids[b, n].tolist() == [int(ids[b, a])] + [mask_id] * (bs - 1)
+            for k in range(1, bs):
+                ok = a + k < ids.shape[1] and bool(loss_mask[b, a + k])
+                assert bool(blocks.label_valid[b, n, k - 1]) == ok
+                if ok:
+                    assert int(blocks.labels[b, n, k - 1]) == int(ids[b, a + k])
+
+
+def test_blocks_without_any_anchor_still_give_one_invalid_block():
+    blocks = build_blocks(torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long),
+                          [torch.zeros(0, dtype=torch.long)], 4, 7)
+    assert blocks.anchors.shape == (1, 1) and not blocks.anchor_valid.any() and not blocks.label_valid.any()
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_by_cosine():
+    f = lr_lambda(100, 0.04)
+    assert [round(f(s), 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    later = [f(s) for s in range(4, 100)]
+    assert all(a >= b for a, b in zip(later, later[1:]))
+    assert f(52) == pytest.approx(0.5, abs=0.02) and f(99) < 0.01
+
+
+# --- resume ----------------------------------------------------------------------------------------
+def _config(target, data, out, **kw) -> TrainConfig:
+    from dflash.config import from_args
+    from dflash.cli import train_parser
+
+    return from_args(train_parser().parse_args(train_args(target, data, out, **kw)))
+
+
+def test_resume_gives_the_same_run_as_no_interruption(tiny, tmp_path):
+    """4 optimizer steps of 2 micro-batches each in one go, versus stop after 2 + --resume."""
+    target, data = tiny
+    cfg = _config(target, data, tmp_path / "straight", max_steps=4, grad_accum=2)
+    straight = train(cfg, handle_signals=False)
+    first = train(dataclasses.replace(cfg, out=str(tmp_path / "split")), handle_signals=False,
+                  on_step=lambda step, _m: step == 2)
+    assert first.stopped_by == "request" and first.step == 2 and first.exit_code == 0
+    assert not (tmp_path / "split" / "drafter").exists()  # only a finished run exports its drafter
+    rest = train(dataclasses.replace(cfg, out=str(tmp_path / "split"), resume=True), handle_signals=False)
+    assert rest.step == 4
+    assert [m["loss"] for m in first.history + rest.history] == [m["loss"] for m in straight.history]
+    for (name, a), b in zip(straight.drafter.state_dict().items(), rest.drafter.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert [m["step"] for m in read_metrics(tmp_path / "split")] == [1, 2, 3, 4]
+
+
+def test_resume_refuses_a_changed_drafter_or_target(tiny, tmp_path):
+    from dflash.cli import train_main
+
+    target, data = tiny
+    out = tmp_path / "run"
+    assert train_main(train_args(target, data, out, max_steps=1)) == 0
+    other = save_chat_target(tmp_path / "other", hidden_size=48)
+    assert train_main(train_args(target, data, out, max_steps=2, drafter_layers=2) + ["--resume"]) == 3
+    assert train_main(train_args(other, data, out, max_steps=2) + ["--resume"]) == 3
+    assert ckpt.read_latest(out / "checkpoints") == "step-00000001"
+
+
+def test_resume_without_a_run_says_so(tmp_path, capsys):
+    from dflash.cli import train_main
+
+    assert train_main(["--out", str(tmp_path / "nothing"), "--resume"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# --- signals ---------------------------------------------------------------------------------------
+def _run_until_first_step(argv: list[str], out: Path, env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen([PY, "-m", "dflash.cli", "train", *argv], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"trainer did not reach a step: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_signal_finishes_the_step_and_checkpoints(tiny, tmp_path, sig, code):
+    target, data = tiny
+    out = tmp_path / "run"
+    env = {**os.environ, "DFLASH_HEARTBEAT": str(tmp_path / "heartbeat"), "OMP_NUM_THREADS": "1"}
+    proc = _run_until_first_step(train_args(target, data, out, max_steps=100000), out, env)
+    proc.send_signal(sig)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == code, output[-3000:]
+    last = read_metrics(out)[-1]["step"]
+    assert ckpt.read_latest(out / "checkpoints") == ckpt.step_dir_name(last)
+    assert ckpt.load_state(out / "checkpoints" / ckpt.step_dir_name(last))["step"] == last
+    assert f"{signal.Signals(sig).name} received" in output and "--resume" in output
+    beat = json.loads((tmp_path / "heartbeat").read_text())
+    assert beat["step"] == last and beat["finished"] is True
+
+
+# --- it learns -------------------------------------------------------------------------------------
+LEARN_STEPS = 300        # optimizer steps of the demo recipe (config.DEMO_DEFAULTS)
+MARGIN = 0.25            # tau of the trained drafter must beat each baseline by at least this much
+
+
+@pytest.mark.slow
+def test_demo_drafter_beats_both_baselines(tmp_path):
+    """`dflash-train` with no options (plus a private output dir) on the pre-trained demo target:
+    after LEARN_STEPS steps the trained drafter's tau must exceed the untrained drafter's and the
+    repeat-last-token guesser's by MARGIN, and decoding must stay lossless."""
+    from dflash.cli import train_main
+
+    out = tmp_path / "demo"
+    assert train_main(["--out", str(out), "--no-progress", "--max-steps", str(LEARN_STEPS)]) == 0
+    results = json.loads((out / "eval.json").read_text())
+    trained = results["trained drafter"]
+    assert trained["lossless"] is True
+    for baseline in ("untrained drafter", "repeat last token"):
+        assert trained["tau"] >= results[baseline]["tau"] + MARGIN, results
