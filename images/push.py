@@ -1,0 +1,241 @@
+"""`push`: ship an image to a Proxmox host as an LXC container with the GPUs passed through.
+
+    connect (known_hosts) -> read the host -> check the plan  (every refusal before any export or upload)
+    -> export (reused when dist/images already holds this image id) -> upload (resumable, verified)
+    -> [pct destroy with --replace] -> pct create -> pct set --devN -> raw lxc.* lines -> pct start
+    -> ldconfig (host driver libraries) -> dflash doctor inside, through pct exec
+
+`--dry-run` reads the host (read-only commands only) and prints every command and file it would send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from wheelbuilder.errors import FatalError
+
+from . import export, proxmox, transfer
+
+EXTENSIONS = {"oci": ".oci.tar", "template": ".tar.zst"}
+
+
+class PushError(FatalError):
+    """The container was created but did not come up healthy."""
+
+    exit_code = 15
+
+
+@dataclass
+class PushOptions:
+    host: str
+    ctid: int
+    image: str = "dflash-train:latest"
+    format: str = "auto"  # auto, oci, template
+    out_dir: Path = export.DEFAULT_OUT
+    port: int = 22
+    identity: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_key: bool = False
+    compress: bool = False
+    force: bool = False
+    dry_run: bool = False
+    start: bool = True
+    doctor: str = "dflash doctor"
+    pve_config_dir: str = "/etc/pve/lxc"
+    bwlimit: float | None = None
+    plan: dict = field(default_factory=dict)  # ContainerPlan fields other than ctid/template/fmt
+
+
+@dataclass
+class PushReport:
+    steps: list[dict] = field(default_factory=list)
+    doctor_output: str = ""
+
+    def step(self, what: str, **info) -> None:
+        self.steps.append({"step": what, **info})
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def push(o: PushOptions) -> PushReport:
+    report = PushReport()
+    info = export.inspect_image(o.image)
+    with transfer.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
+                          accept_new_host_key=o.accept_new_host_key, compress=o.compress) as host:
+        facts = proxmox.gather_facts(host, o.plan.get("gpus", "all"))
+        fmt = o.format if o.format != "auto" else ("oci" if facts.pve >= proxmox.OCI_MIN_PVE else "template")
+        artifact = Path(o.out_dir) / f"{info.slug}{EXTENSIONS[fmt]}"
+        plan = proxmox.ContainerPlan(ctid=o.ctid, template=artifact.name, fmt=fmt, **o.plan)
+        devices = proxmox.check_plan(plan, facts, info.cuda)
+        say(f"host {host.hostname}: Proxmox VE {facts.pve}, {sum(d.gpu_index is not None for d in devices)} GPU(s) "
+            f"passed through, format {fmt}" + (f", driver {facts.driver.text}" if facts.driver else ""))
+
+        record = _artifact(info, fmt, artifact, o, report)
+        template_dir = str(Path(host.run(["pvesm", "path", plan.volid]).stdout.strip()).parent)
+        if o.dry_run:
+            say(f"would send {artifact} ({_size(record)}, sha256 {record.get('sha256', 'after export')}) "
+                f"to {host.hostname}:{template_dir}/{artifact.name}")
+        else:
+            r = transfer.send_file(host, artifact, template_dir, sha256=record["sha256"], force=o.force,
+                                   bwlimit=o.bwlimit)
+            say(f"{r.status}: {r.remote_path} ({r.bytes_sent / 1e6:.1f} MB at {r.rate_mb_s:.1f} MB/s)")
+            report.step("transfer", status=r.status, path=r.remote_path, bytes=r.bytes_sent, seconds=r.seconds)
+
+        commands: list[list[str]] = []
+        if plan.replace and plan.ctid in facts.ctids:
+            commands += [["pct", "stop", str(plan.ctid)], ["pct", "destroy", str(plan.ctid), "--purge"]]
+        commands.append(proxmox.render_create(plan))
+        commands += proxmox.render_set(plan, facts, devices)
+        raw = proxmox.render_raw_config(facts, devices)
+        conf = f"{o.pve_config_dir.rstrip('/')}/{plan.ctid}.conf"
+        for argv in commands:
+            _run(host, argv, o.dry_run, report, check=argv[1] != "stop")
+        if raw:
+            text = "".join(line + "\n" for line in raw)
+            if o.dry_run:
+                say(f"would append to {host.hostname}:{conf}:\n{text}")
+            else:
+                host.run(f"cat >> {shlex.quote(conf)}", stdin=text.encode())
+            report.step("config", path=conf, lines=raw)
+        if not o.start:
+            return report
+        _run(host, ["pct", "start", str(plan.ctid)], o.dry_run, report)
+        if facts.libraries and devices:
+            _run(host, ["pct", "exec", str(plan.ctid), "--", "ldconfig"], o.dry_run, report)
+        if o.doctor:
+            argv = ["pct", "exec", str(plan.ctid), "--", *doctor_argv(fmt, info, o.doctor)]
+            result = _run(host, argv, o.dry_run, report, check=False)
+            if result is not None:
+                report.doctor_output = result.stdout + result.stderr
+                print(report.doctor_output, end="")
+                if result.rc != 0:
+                    raise PushError(
+                        f"container {plan.ctid} is up but `{o.doctor}` failed inside it (exit {result.rc}); its "
+                        f"report is above. Inspect with: ssh {o.host} pct exec {plan.ctid} -- {doctor_hint(fmt, o.doctor)}")
+    return report
+
+
+def doctor_argv(fmt: str, info: export.ImageInfo, doctor: str) -> list[str]:
+    """The doctor command inside the container, with the image's environment (pct exec has none of it).
+
+    Templates carry /usr/local/bin/dflash-env; an OCI container gets the recorded Env and WORKDIR."""
+    if fmt == "template":
+        return ["/usr/local/bin/dflash-env", *shlex.split(doctor)]
+    return ["env", "-i", *info.env, "sh", "-c", f"cd {shlex.quote(info.workdir)} && exec {doctor}"]
+
+
+def doctor_hint(fmt: str, doctor: str) -> str:
+    return f"/usr/local/bin/dflash-env {doctor}" if fmt == "template" else doctor
+
+
+def _artifact(info: export.ImageInfo, fmt: str, artifact: Path, o: PushOptions, report: PushReport) -> dict:
+    """The exported artifact's record: reused when it is of this very image, else exported now."""
+    if artifact.exists() and export.record_path(artifact).exists():
+        record = export.read_record(artifact)
+        if record["image"]["id"] == info.id and record["size"] == artifact.stat().st_size:
+            say(f"reusing {artifact} (image {info.id[:19]})")
+            report.step("export", path=str(artifact), reused=True)
+            return record
+    if o.dry_run:
+        say(f"would export {o.image} as {fmt} to {artifact}")
+        report.step("export", path=str(artifact), reused=False, dry_run=True)
+        return {}
+    t0 = time.monotonic()
+    result = export.export(o.image, fmt, Path(o.out_dir))
+    report.step("export", path=str(result.artifacts[0]), reused=False, seconds=time.monotonic() - t0)
+    return result.records[0]
+
+
+def _size(record: dict) -> str:
+    return f"{record['size'] / 1e6:.1f} MB" if record else "size after export"
+
+
+def _run(host: transfer.SshHost, argv: list[str], dry_run: bool, report: PushReport, check: bool = True):
+    cmd = shlex.join(argv)
+    say(f"+ ssh {host.user}@{host.hostname} {cmd}")
+    report.step("run", command=cmd, dry_run=dry_run)
+    if dry_run:
+        return None
+    return host.run(argv, check=check)
+
+
+# ------------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------------
+
+def _cmd_push(args: argparse.Namespace) -> int:
+    plan = dict(hostname=args.hostname, cores=args.cores, memory_mb=args.memory, swap_mb=args.swap,
+                rootfs_storage=args.rootfs_storage, rootfs_gb=args.rootfs_size, data_storage=args.data_storage,
+                data_gb=args.data_size, data_path=args.data_path, features=args.features,
+                unprivileged=not args.privileged, net0=args.net0 or None, gpus=args.gpus,
+                replace=args.replace, template_storage=args.storage, entrypoint=args.entrypoint)
+    opts = PushOptions(host=args.host, ctid=args.ctid, image=args.image, format=args.format, out_dir=Path(args.out_dir),
+                       port=args.port, identity=args.identity, known_hosts=args.known_hosts,
+                       accept_new_host_key=args.accept_new_host_key, compress=args.compress, force=args.force,
+                       dry_run=args.dry_run, start=not args.no_start, doctor=args.doctor,
+                       pve_config_dir=args.pve_config_dir, bwlimit=args.bwlimit * 1e6 if args.bwlimit else None,
+                       plan=plan)
+    report = push(opts)
+    if args.json:
+        print(json.dumps({"steps": report.steps, "doctor": report.doctor_output}, indent=2))
+    return 0
+
+
+def _ctid(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"CTID '{text}' is not a number (Proxmox IDs are 100..999999999)")
+    return int(text)
+
+
+def register(subparsers) -> None:
+    """Add `push` to the images CLI."""
+    p = subparsers.add_parser("push", help="ship an image to a Proxmox host as an LXC container with GPUs",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__)
+    p.add_argument("--host", required=True, help="USER@HOST of the Proxmox node (root: devN and raw lines need root@pam)")
+    p.add_argument("--ctid", required=True, type=_ctid, help="container ID to create")
+    p.add_argument("--image", default="dflash-train:latest", help="image in the local engine")
+    p.add_argument("--format", choices=("auto", "oci", "template"), default="auto",
+                   help="auto: OCI archive on PVE >= 9.1, rootfs template otherwise")
+    p.add_argument("--out-dir", default=str(export.DEFAULT_OUT), help="where exports are written and reused")
+    ssh = p.add_argument_group("ssh")
+    ssh.add_argument("--port", type=int, default=22)
+    ssh.add_argument("--identity", help="private key file (default: agent and ~/.ssh keys)")
+    ssh.add_argument("--known-hosts", help="known_hosts file (default: ~/.ssh/known_hosts and the system one)")
+    ssh.add_argument("--accept-new-host-key", action="store_true",
+                     help="trust and record an unknown host key (a changed key is still refused)")
+    ssh.add_argument("--compress", action="store_true", help="SSH compression (helps on slow links only)")
+    ssh.add_argument("--bwlimit", type=float, help="upload cap in MB/s")
+    ct = p.add_argument_group("container")
+    ct.add_argument("--hostname", default="dflash-train")
+    ct.add_argument("--cores", type=int, default=8)
+    ct.add_argument("--memory", type=int, default=65536, help="MiB")
+    ct.add_argument("--swap", type=int, default=0, help="MiB")
+    ct.add_argument("--storage", default="local", help="template storage (vztmpl content)")
+    ct.add_argument("--rootfs-storage", default="local-lvm")
+    ct.add_argument("--rootfs-size", type=int, default=64, help="GB")
+    ct.add_argument("--data-storage", help="storage for a data volume mounted at --data-path (mp0)")
+    ct.add_argument("--data-size", type=int, default=0, help="GB of the data volume")
+    ct.add_argument("--data-path", default="/data")
+    ct.add_argument("--features", default="nesting=1")
+    ct.add_argument("--privileged", action="store_true", help="create a privileged container (not recommended)")
+    ct.add_argument("--net0", default="name=eth0,bridge=vmbr0,ip=dhcp", help="'' for no network")
+    ct.add_argument("--gpus", default="all", help="'all', 'none' or indices like 0,1,4")
+    ct.add_argument("--entrypoint", help="OCI only (PVE >= 9.1): replace the image's entrypoint, e.g. 'sleep infinity'")
+    ct.add_argument("--pve-config-dir", default="/etc/pve/lxc", help="where the host keeps CTID.conf")
+    act = p.add_argument_group("actions")
+    act.add_argument("--replace", action="store_true", help="destroy an existing container with this CTID (and its volumes) first")
+    act.add_argument("--force", action="store_true", help="overwrite a different template file of the same name")
+    act.add_argument("--no-start", action="store_true", help="create but do not start (and skip the doctor)")
+    act.add_argument("--doctor", default="dflash doctor", help="health check to run inside ('' to skip)")
+    act.add_argument("--dry-run", action="store_true", help="read the host, print every command and file, change nothing")
+    act.add_argument("--json", action="store_true", help="print the steps as JSON at the end")
+    p.set_defaults(func=_cmd_push)
+
