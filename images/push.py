@@ -195,10 +195,14 @@ def _ctid(text: str) -> int:
     return int(text)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in --help, and the module docstring's layout kept."""
+
+
 def register(subparsers) -> None:
     """Add `push` to the images CLI."""
     p = subparsers.add_parser("push", help="ship an image to a Proxmox host as an LXC container with GPUs",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__)
+                              formatter_class=_HelpFormatter, description=__doc__)
     p.add_argument("--host", required=True, help="USER@HOST of the Proxmox node (root: devN and raw lines need root@pam)")
     p.add_argument("--ctid", required=True, type=_ctid, help="container ID to create")
     p.add_argument("--image", default="dflash-train:latest", help="image in the local engine")

@@ -65,6 +65,7 @@ def test_oci_check_rejects_docker_media_types(tmp_path):
         export.check_oci_archive(bad)
 
 
+@pytest.mark.docker
 def test_missing_image_is_a_clear_error():
     pytest.importorskip("docker")
     try:
