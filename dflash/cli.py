@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
              "  regenerate  rewrite a chat JSONL's answers with the target's own responses\n"
              "  doctor      report the GatedDeltaNet kernels, versions and arch coverage\n"
              "  healthcheck the container health check (cached doctor verdict + trainer heartbeat)\n"
+             "  entrypoint  the dflash-train image's entrypoint (background doctor, then the command)\n"
              "Each subcommand takes --help.")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return eval_main(rest)
     if cmd == "regenerate":
         return _guard(_regenerate, rest)
-    if cmd in ("doctor", "healthcheck"):
+    if cmd in ("doctor", "healthcheck", "entrypoint"):
         return _delegate(cmd, rest)
     print(f"error: unknown command '{cmd}'.\n{usage}", file=sys.stderr)
     return 2

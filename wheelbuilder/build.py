@@ -95,11 +95,16 @@ class _Progress:
     def __init__(self, label: str):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=None, desc=label, unit="obj", file=sys.stderr, dynamic_ncols=True)
+        # On a terminal a bar; in a log or a docker build's plain output, one line per compiled object.
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=None, desc=label, unit="obj", file=sys.stderr, dynamic_ncols=True, disable=not self.tty)
+        self.label = label
         self.killed = False
 
     def __call__(self, line: str) -> None:
-        if m := self.NINJA.match(line):
+        if (m := self.NINJA.match(line)) and not self.tty:
+            echo(f"{self.label}: compiling object {m.group(1)}/{m.group(2)}: {line.split()[-1][-60:]}")
+        elif m:
             self.bar.total = int(m.group(2))
             self.bar.n = int(m.group(1)) - 1
             self.bar.set_postfix_str(line.split()[-1][-40:])
