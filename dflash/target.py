@@ -248,10 +248,13 @@ class Target:
 
     @property
     def fingerprint(self) -> str:
-        """16 hex digits naming the target's architecture, sizes and vocabulary (not its weights)."""
+        """16 hex digits naming the target's architecture, sizes and vocabulary (not its weights).
+
+        Only the text model counts: a Qwen3.5 checkpoint with its vision tower and the same model saved
+        text-only get the same fingerprint, so a drafter trained on one is accepted for the other.
+        """
         cfg = self.config.to_dict()
         record = {key: cfg.get(key) for key in _FINGERPRINT_KEYS}
-        record["architectures"] = self.model.config.to_dict().get("architectures")
         record["embedding_rows"] = self.vocab_size
         blob = json.dumps(record, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

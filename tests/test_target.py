@@ -113,3 +113,14 @@ def test_missing_mask_token_says_how_to_add_one(tmp_path):
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(TargetError, match="no config.json"):
         Target.load(tmp_path)
+
+
+def test_known_family_mask_id_is_used_only_where_the_embedding_has_it():
+    from dflash.target import _resolve_mask_token
+    from dflash_tiny import build_tokenizer
+
+    tok = build_tokenizer(with_mask=False)
+    assert _resolve_mask_token(tok, "qwen3", 151936, None) == 151669       # Qwen3-8B's embedding rows
+    assert _resolve_mask_token(tok, "qwen3_5_text", 248320, None) == 248070
+    with pytest.raises(TargetError, match="no mask token"):
+        _resolve_mask_token(tok, "qwen3", 96, None)
