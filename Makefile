@@ -11,7 +11,7 @@ CTID    ?=
 PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-train push clean
+.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-train bench-image push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -48,7 +48,10 @@ bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
 
-bench: bench-build bench-train  ## all benchmarks
+bench-image: engine  ## runtime vs builder image size, doctor wall time, container start -> healthy
+	$(PY) bench/bench_image.py --target $(strip $(TARGET))
+
+bench: bench-build bench-train bench-image  ## all benchmarks
 
 push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS=--dry-run]
 	$(PY) -m images push --target $(strip $(TARGET)) --host $(HOST) --ctid $(CTID) $(PUSH_ARGS)

@@ -133,6 +133,19 @@ def _stage_progress(line: str) -> None:
         echo(line[:200])
 
 
+def toolkit_tag(target: tg.Target) -> str:
+    """The builder's toolkit stage, tagged so its size can be compared with the runtime image's."""
+    return f"dflash-builder:{target.name}"
+
+
+def build_toolkit(target: tg.Target) -> str:
+    tag = toolkit_tag(target)
+    spec = BuildSpec(stage="toolkit", build_args=base_args(target), tag=tag)
+    run(spec.command(), env=dict(os.environ, DOCKER_BUILDKIT="1"), log=LOGS / f"toolkit-{target.name}.log",
+        on_line=_stage_progress)
+    return tag
+
+
 def image_tag(target: tg.Target) -> str:
     return f"{IMAGE_REPO}:{target.name}"
 
