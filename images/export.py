@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -301,8 +302,11 @@ def _normalize(ti: tarfile.TarInfo, epoch: int) -> tarfile.TarInfo:
 
 
 def export_template(info: ImageInfo, out_dir: Path, *, epoch: int | None = None, level: int = 10,
-                    client=None, progress: bool = True) -> Path:
-    """`docker create` + `docker export`, repacked deterministically into NAME.tar.zst."""
+                    client=None, progress: bool = True) -> tuple[Path, list[str]]:
+    """`docker create` + `docker export`, repacked deterministically into NAME.tar.zst.
+
+    Returns the template and the libcuda files the image ships itself (they can shadow the host
+    driver's, see `shadowing_libcuda`)."""
     zstd = _require("zstd", "compress the rootfs template")
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH", "0")) if epoch is None else epoch
     client = client or docker_client()
@@ -320,12 +324,12 @@ def export_template(info: ImageInfo, out_dir: Path, *, epoch: int | None = None,
                     bar.update(len(chunk))
         finally:
             container.remove(force=True)
-        _repack(spool, tmp, info, epoch, [zstd, "-q", "-T0", f"-{level}", "-o", str(tmp), "-f"], progress)
+        libcuda = _repack(spool, tmp, info, epoch, [zstd, "-q", "-T0", f"-{level}", "-o", str(tmp), "-f"], progress)
     os.replace(tmp, final)
-    return final
+    return final, libcuda
 
 
-def _repack(spool: Path, dest: Path, info: ImageInfo, epoch: int, zstd_cmd: list[str], progress: bool) -> None:
+def _repack(spool: Path, dest: Path, info: ImageInfo, epoch: int, zstd_cmd: list[str], progress: bool) -> list[str]:
     with tarfile.open(spool) as src:
         members = {}
         for ti in src.getmembers():
@@ -368,6 +372,15 @@ def _repack(spool: Path, dest: Path, info: ImageInfo, epoch: int, zstd_cmd: list
         if rc != 0:
             dest.unlink(missing_ok=True)
             raise ExportError(f"zstd failed with exit code {rc} while writing {dest}.")
+    return sorted(n[1:] for n in members if re.search(r"/libcuda\.so(\.|$)", n))
+
+
+def shadowing_libcuda(record: dict) -> list[str]:
+    """libcuda files of the image that the loader would pick before the host driver's bind-mounted one:
+    those in a directory of the image's LD_LIBRARY_PATH (e.g. a CUDA forward-compat package)."""
+    env = dict(e.split("=", 1) for e in record.get("image", {}).get("env", []) if "=" in e)
+    dirs = {d.rstrip("/") for d in env.get("LD_LIBRARY_PATH", "").split(":") if d}
+    return [p for p in record.get("libcuda_in_image", []) if os.path.dirname(p) in dirs]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -395,8 +408,8 @@ def export(image: str, fmt: str, out_dir: Path, *, epoch: int | None = None, lev
             extra = {}
         else:
             e = int(os.environ.get("SOURCE_DATE_EPOCH", "0")) if epoch is None else epoch
-            path = export_template(info, out_dir, epoch=e, level=level, progress=progress)
-            extra = {"source_date_epoch": e, "zstd_level": level}
+            path, libcuda = export_template(info, out_dir, epoch=e, level=level, progress=progress)
+            extra = {"source_date_epoch": e, "zstd_level": level, "libcuda_in_image": libcuda}
         result.seconds[kind] = time.monotonic() - t0
         result.artifacts.append(path)
         result.records.append(write_record(path, info, kind, **extra))

@@ -80,7 +80,8 @@ def unpack_oci(archive: Path, rootfs: Path) -> dict:
         raise LxcError("umoci is not installed; it is needed to unpack OCI archives (apt install umoci).")
     with tempfile.TemporaryDirectory(dir=rootfs.parent) as layout:
         with tarfile.open(archive) as tar:
-            tar.extractall(layout, filter="data")
+            # The "data" filter refuses absolute and escaping paths (Python >= 3.11.4 has it).
+            tar.extractall(layout, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         index = json.loads(Path(layout, "index.json").read_text())
         tag = index["manifests"][0].get("annotations", {}).get("org.opencontainers.image.ref.name", "latest")
         if rootfs.exists():

@@ -79,6 +79,12 @@ def push(o: PushOptions) -> PushReport:
             f"passed through, format {fmt}" + (f", driver {facts.driver.text}" if facts.driver else ""))
 
         record = _artifact(info, fmt, artifact, o, report)
+        shadow = export.shadowing_libcuda(record) if devices else []
+        if shadow:
+            raise proxmox.HostError(
+                f"the image ships its own libcuda ({', '.join(shadow)}) on its LD_LIBRARY_PATH; it would be loaded "
+                f"instead of the host driver's {facts.driver.text} libraries and fail with 'driver/library version "
+                "mismatch'. Remove it from the image (or from LD_LIBRARY_PATH) and export again.")
         template_dir = str(Path(host.run(["pvesm", "path", plan.volid]).stdout.strip()).parent)
         if o.dry_run:
             say(f"would send {artifact} ({_size(record)}, sha256 {record.get('sha256', 'after export')}) "

@@ -227,6 +227,8 @@ def send_file(host: SshHost, local: Path, remote_dir: str, *, sha256: str | None
 
     _upload(host, local, partial, offset, size, bwlimit, progress)
 
+    if progress:
+        tqdm.write(f"verifying sha256 of {local.name} on {host.hostname} ({size / 1e9:.2f} GB)")
     theirs = remote_sha256(host, partial)
     if theirs != digest:
         host.sftp.remove(partial)

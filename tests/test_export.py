@@ -108,6 +108,8 @@ def test_records_describe_each_artifact(exported):
         assert rec["size"] == path.stat().st_size and rec["sha256"] == export.sha256_of(path)
         assert rec["image"]["id"].startswith("sha256:") and rec["image"]["labels"]["org.dflash.cuda"] == "13.0"
         assert rec["image"]["cuda"] == "13.0" and rec["image"]["entrypoint"] == ["dflash-train"]
+        if rec["format"] == "template":
+            assert rec["libcuda_in_image"] == []
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
 
 
@@ -162,3 +164,11 @@ def test_carried_files_go_through_merged_usr_links():
     assert "./usr/sbin/init" in files and "./sbin/init" not in files
     members["./usr/sbin/init"] = tarfile.TarInfo("./usr/sbin/init")
     assert "./usr/sbin/init" not in export.carried_files(_info(), members)
+
+
+def test_libcuda_on_the_image_library_path_is_flagged():
+    record = {"image": {"env": ["LD_LIBRARY_PATH=/usr/local/cuda/compat:/opt/venv/lib"]},
+              "libcuda_in_image": ["/usr/local/cuda/compat/libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"]}
+    # The first shadows the host's bind-mounted driver; the second is covered by the bind mount itself.
+    assert export.shadowing_libcuda(record) == ["/usr/local/cuda/compat/libcuda.so.1"]
+    assert export.shadowing_libcuda({}) == []
