@@ -85,7 +85,7 @@ def ensure_base(target: tg.Target) -> None:
 def wheels_spec(target: tg.Target, output: Path, rebuild: str = "0") -> BuildSpec:
     args = base_args(target) | {"SOURCE_DATE_EPOCH": str(source_date_epoch()), "REBUILD": rebuild}
     for var in ("MAX_JOBS", "NVCC_THREADS", "CCACHE_DISABLE"):
-        if os.environ.get(var):
+        if var in os.environ:
             args[var] = os.environ[var]
     return BuildSpec(stage="wheels", build_args=args, output=output)
 
