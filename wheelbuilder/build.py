@@ -134,7 +134,7 @@ def compile_recipe(recipe: Recipe, target: Target, toolchain: Toolchain, plan: P
         "PYTHONHASHSEED": "0",
     })
     env.pop("TORCH_CUDA_ARCH_LIST", None)  # the arch patch decides; an inherited list would only confuse
-    if shutil.which("ccache") and not os.environ.get("WHEELBUILDER_NO_CCACHE"):
+    if shutil.which("ccache") and not (os.environ.get("WHEELBUILDER_NO_CCACHE") or os.environ.get("CCACHE_DISABLE")):
         # nvcc through torch's PYTORCH_NVCC hook; the host compiler through ccache's masquerade
         # directory (CXX="ccache c++" would break torch's compiler version check).
         env["PYTORCH_NVCC"] = f"ccache {toolchain.cuda_home}/bin/nvcc"
