@@ -338,18 +338,13 @@ class Trainer:
                 hidden = self.model(context, block_embeds,
                                     blocks.anchors, attn.bool(), blocks.anchor_valid)
                 logits = target.lm_head(hidden).view(B, N, cfg.block_size, -1)
-            logits = logits.float()
-            if local_w.item() > 0:
-                loss, _stats = dflash_loss(logits, blocks.labels, blocks.label_valid, cfg.gamma)
-                loss_sum = loss * local_w
-            else:
-                loss_sum = logits.sum() * 0.0
+            loss, stats = dflash_loss(logits, blocks.labels, blocks.label_valid, cfg.gamma)
+            loss_sum = loss * local_w  # dflash_loss averages over this rank's weight; undo that
             scale = self.d.world_size / (global_w.clamp(min=1e-12) * accum)
             (loss_sum * scale).backward()
-        with torch.no_grad():
-            hit = (logits[:, :, 1:].argmax(-1) == blocks.labels) & blocks.label_valid
-        return {"loss_sum": loss_sum.detach(), "weight": local_w.detach(),
-                "correct": hit.sum((0, 1)).float(), "valid": blocks.label_valid.sum((0, 1)).float(),
+        valid = blocks.label_valid.sum((0, 1)).float()
+        correct = (stats["acc_per_pos"].to(valid.device) * valid).round()  # counts, to sum over ranks
+        return {"loss_sum": loss_sum.detach(), "weight": local_w.detach(), "correct": correct, "valid": valid,
                 "tokens": attn.sum().float(), "anchors": blocks.anchor_valid.sum().float()}
 
     def _optimizer_step(self) -> dict:
