@@ -134,10 +134,13 @@ def check_plan(plan: ContainerPlan, facts: HostFacts, image_cuda: str | None) ->
         raise HostError("--entrypoint only applies to OCI containers (PVE >= 9.1); a template container starts "
                         "its /sbin/init. Drop --entrypoint or use --format oci.")
     _check_features(plan.features, plan.unprivileged)
+    wanted: dict[str, int] = {}  # GB per storage: rootfs and data volume may share one
     for name, gb in ((plan.template_storage, 0), (plan.rootfs_storage, plan.rootfs_gb),
                      (plan.data_storage, plan.data_gb)):
         if name is not None:
-            _check_storage(facts, name, gb)
+            wanted[name] = wanted.get(name, 0) + gb
+    for name, gb in wanted.items():
+        _check_storage(facts, name, gb)
     devices = gpu.select_devices(facts.devices, plan.gpus) if plan.gpus != "none" else []
     if plan.gpus != "none" and not devices:
         raise HostError("--gpus asks for GPUs but the host has no /dev/nvidia* nodes. Load the NVIDIA driver on "

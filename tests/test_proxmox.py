@@ -81,6 +81,7 @@ def test_gpus_on_pve_8_1_use_raw_cgroup_and_mount_lines():
     ({}, {"rootfs_storage": "local-lvm"}, None, "storage 'local-lvm' does not exist.*local-zfs"),
     ({}, {"data_storage": "backup", "data_gb": 10}, None, "'backup' is not active"),
     ({}, {"data_storage": "nvme-data", "data_gb": 10**6}, None, "has 14307 GB available but 1000000 GB"),
+    ({}, {"data_storage": "local-zfs", "data_gb": 7000}, None, "'local-zfs' has 6846 GB available but 7064 GB"),
     ({"nvidia": False}, {}, None, "no /dev/nvidia\\* nodes.*--gpus none"),
     ({}, {"features": "nesting=1,docker=1"}, None, "'docker=1' is not a pct feature"),
     ({}, {"ctid": 42}, None, "out of range"),
