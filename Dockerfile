@@ -92,6 +92,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     DFLASH_TARGET=${TARGET} \
     DFLASH_STATE_DIR=/tmp/dflash \
+    DFLASH_TARGETS_FILE=/opt/dflash/src/targets.toml \
     HF_HUB_OFFLINE=1
 # gcc + libc headers + Python headers: Triton compiles a small C launcher at first use (and nothing
 # else of a toolchain: no nvcc, no CUDA headers).

@@ -11,7 +11,7 @@ CTID    ?=
 PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-train bench-image push clean
+.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-train bench-image bench-push push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -51,10 +51,14 @@ bench-train: venv  ## drafter training throughput and time split (demo target + 
 bench-image: engine  ## runtime vs builder image size, doctor wall time, container start -> healthy
 	$(PY) bench/bench_image.py --target $(strip $(TARGET))
 
-bench: bench-build bench-train bench-image  ## all benchmarks
+bench-push: engine  ## export time, template size and SSH transfer throughput over loopback
+	$(PY) bench/bench_push.py
+
+bench: bench-build bench-train bench-image bench-push  ## all benchmarks
 
 push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS=--dry-run]
-	$(PY) -m images push --target $(strip $(TARGET)) --host $(HOST) --ctid $(CTID) $(PUSH_ARGS)
+	@test -n "$(HOST)" -a -n "$(CTID)" || { echo 'usage: make push HOST=root@pve CTID=200 [TARGET=...] [PUSH_ARGS=--dry-run]'; exit 2; }
+	$(PY) -m images push --image dflash-train:$(strip $(TARGET)) --host $(HOST) --ctid $(CTID) $(PUSH_ARGS)
 
 test: venv engine  ## run every test tier this machine can run
 	$(PY) -m pytest $(PYTEST_ARGS)

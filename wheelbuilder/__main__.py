@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main_inner(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "verify":  # needs only the folder, not targets.toml
+        from .manifest import read_manifest, verify_wheels
+
+        problems = verify_wheels(args.dir)
+        if problems:
+            raise FatalError(f"{args.dir}: " + "; ".join(problems))
+        for w in read_manifest(args.dir).wheels:
+            print(f"ok  {w.sha256}  {w.filename}")
+        return 0
     catalog = tg.load(args.targets_file)
     if args.command == "list":
         rows = [{"target": t.name, "default": t.name == catalog.default_target, "cuda": str(t.toolkit.cuda),
@@ -89,15 +98,6 @@ def main_inner(argv: list[str] | None = None) -> int:
                 raise FatalError(f"{wheel.name} is not a wheel of any recipe of {target.name}.")
             reports.append(audit_wheel(wheel, target, recipe).to_dict())
         print(json.dumps(reports, indent=2) if args.json else "\n".join(f"ok  {w}" for w in args.wheels))
-        return 0
-    if args.command == "verify":
-        from .manifest import read_manifest, verify_wheels
-
-        problems = verify_wheels(args.dir)
-        if problems:
-            raise FatalError(f"{args.dir}: " + "; ".join(problems))
-        for w in read_manifest(args.dir).wheels:
-            print(f"ok  {w.sha256}  {w.filename}")
         return 0
     if args.command == "lock":
         from .lock import lock_all

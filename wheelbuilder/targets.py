@@ -7,6 +7,7 @@ the toolkit's CUDA cannot compile) fails here, before anything is downloaded or 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from packaging.version import InvalidVersion, Version
 from .errors import ConfigurationError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TARGETS_FILE = REPO_ROOT / "targets.toml"
+# A checkout's own targets.toml; an installed copy (the runtime image) points here with DFLASH_TARGETS_FILE.
+DEFAULT_TARGETS_FILE = Path(os.environ.get("DFLASH_TARGETS_FILE", REPO_ROOT / "targets.toml"))
 
 # First CUDA release whose nvcc compiles SASS for each arch (NVIDIA's CUDA release notes), and the
 # last release that still does (CUDA 13.0 dropped everything before Turing).
