@@ -228,8 +228,7 @@ def run_demo(config: TrainConfig) -> int:
     from .data import ChatDataset
     from .demo import build_demo_target, demo_conversations
     from .evaluate import evaluate, evaluate_baseline
-    from .target import Target
-    from .train import dataset_items, setup_logging, train
+    from .train import dataset_items, load_target, setup_logging, train
 
     d = distributed.init(config.device)
     setup_logging(config.out_dir, d.is_main)
@@ -237,7 +236,7 @@ def run_demo(config: TrainConfig) -> int:
         build_demo_target(config.demo_target_dir(), seed=config.seed, progress=config.progress)
     distributed.barrier(d)  # other ranks load the target rank 0 built (cached: no second build)
     path = build_demo_target(config.demo_target_dir(), seed=config.seed, progress=False)
-    target = Target.load(path, device=d.device, layer_ids=config.target_layer_ids, mask_token=config.mask_token)
+    target = load_target(config, d.device, path)
     conversations = demo_conversations(config.demo_conversations + config.eval_prompts, seed=config.seed)
     held_out = conversations[config.demo_conversations:]
     regenerated = _demo_data(config, target, conversations[: config.demo_conversations], d.is_main)

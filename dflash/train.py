@@ -386,6 +386,13 @@ class Trainer:
 
     # --- the loop ----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        # log lines go through tqdm.write so that they do not tear the progress bar
+        with logging_redirect_tqdm(loggers=[logging.getLogger("dflash")]):
+            return self._run()
+
+    def _run(self) -> TrainResult:
         from tqdm.auto import tqdm
 
         cfg, d = self.config, self.d
@@ -489,12 +496,17 @@ def dataset_items(dataset) -> list[dict]:
     return items
 
 
-def load_target(config: TrainConfig, device: torch.device):
+def target_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    """The frozen target runs in bf16 when training uses bf16 autocast (its forward is most of the
+    cost on a GPU), else in fp32."""
+    return _precision(config, device)
+
+
+def load_target(config: TrainConfig, device: torch.device, path=None):
     from .target import Target
 
-    dtype = torch.bfloat16 if _precision(config, device) == torch.bfloat16 else torch.float32
-    return Target.load(config.target, device=device, dtype=dtype, layer_ids=config.target_layer_ids,
-                       mask_token=config.mask_token)
+    return Target.load(path or config.target, device=device, dtype=target_dtype(config, device),
+                       layer_ids=config.target_layer_ids, mask_token=config.mask_token)
 
 
 def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,

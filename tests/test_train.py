@@ -154,21 +154,25 @@ def test_signal_finishes_the_step_and_checkpoints(tiny, tmp_path, sig, code):
 
 
 # --- it learns -------------------------------------------------------------------------------------
-LEARN_STEPS = 300        # optimizer steps of the demo recipe (config.DEMO_DEFAULTS)
-MARGIN = 0.25            # tau of the trained drafter must beat each baseline by at least this much
+# The demo recipe (config.DEMO_DEFAULTS: block size 8, 2 drafter layers) cut to fit a CPU test. On an
+# H200 the full recipe (300 steps, 256 conversations) reached tau 5.89 against 1.00 (untrained drafter)
+# and 1.01 (repeat last token) on 16 held-out prompts.
+LEARN_ARGS = ["--max-steps", "150", "--demo-conversations", "128", "--eval-prompts", "8", "--eval-new-tokens", "48"]
+MIN_TAU = 2.0     # accepted tokens per verify step the trained drafter must reach (the baselines give ~1)
+MARGIN = 1.0      # ... and its lead over each baseline
 
 
 @pytest.mark.slow
 def test_demo_drafter_beats_both_baselines(tmp_path):
-    """`dflash-train` with no options (plus a private output dir) on the pre-trained demo target:
-    after LEARN_STEPS steps the trained drafter's tau must exceed the untrained drafter's and the
-    repeat-last-token guesser's by MARGIN, and decoding must stay lossless."""
+    """`dflash-train` with no target/data (the built-in demo) trains 150 steps on 128 regenerated
+    conversations; on 8 held-out prompts the trained drafter's tau must be >= MIN_TAU and beat the
+    untrained drafter and the repeat-last-token guesser by MARGIN, with lossless decoding."""
     from dflash.cli import train_main
 
     out = tmp_path / "demo"
-    assert train_main(["--out", str(out), "--no-progress", "--max-steps", str(LEARN_STEPS)]) == 0
+    assert train_main(["--out", str(out), "--no-progress", "--device", "cpu", *LEARN_ARGS]) == 0
     results = json.loads((out / "eval.json").read_text())
     trained = results["trained drafter"]
-    assert trained["lossless"] is True
+    assert trained["lossless"] is True and trained["tau"] >= MIN_TAU, results
     for baseline in ("untrained drafter", "repeat last token"):
         assert trained["tau"] >= results[baseline]["tau"] + MARGIN, results
