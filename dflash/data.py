@@ -315,7 +315,7 @@ def collate(items: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torc
 # --------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_tokens: int, *,
-                     temperature: float = 0.0, seed: int = 0, batch_size: int = 16,
+                     temperature: float = 0.0, seed: int = 0, batch_size: int = 32,
                      progress: bool = False) -> tuple[list[str], int]:
     """The model's next assistant message for each history; returns (replies, n_cut_at_max_new_tokens).
 
@@ -365,7 +365,7 @@ def _reply_slots(messages: list[dict]) -> list[int]:
 
 
 def regenerate(target, conversations: list[list[dict]], max_new_tokens: int, temperature: float = 0.0,
-               seed: int = 0, *, batch_size: int = 16, progress: bool = True) -> list[list[dict]]:
+               seed: int = 0, *, batch_size: int = 32, progress: bool = True) -> list[list[dict]]:
     """Conversations whose assistant turns are replaced by `target`'s own responses.
 
     Turns are answered in order, so a later answer sees the target's earlier answers, never the

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------
 # The synthetic corpus. Each task turns a random draw into (prompt, answer); answers are deterministic
-# functions of the prompt and run for 10-40 tokens, so several future tokens are predictable from the
+# functions of the prompt and run for 20-60 tokens, so several future tokens are predictable from the
 # context: exactly what a DFlash drafter has to learn.
 # --------------------------------------------------------------------------------------------------
 
@@ -59,31 +59,31 @@ ANIMALS = {
 
 
 def _count(rng: random.Random) -> tuple[str, str]:
-    start = rng.randint(0, 80)
+    start = rng.randint(0, 60)
     step = rng.choice([1, 1, 1, 2, 3, 5])
-    seq = [start + k * step for k in range(rng.randint(5, 12))]
+    seq = [start + k * step for k in range(rng.randint(10, 18))]
     verb = "count" if step == 1 else f"count by {step}"
     return f"{verb} from {seq[0]} to {seq[-1]}", ", ".join(map(str, seq)) + "."
 
 
 def _countdown(rng: random.Random) -> tuple[str, str]:
-    start = rng.randint(8, 60)
-    seq = list(range(start, start - rng.randint(5, 10), -1))
+    start = rng.randint(14, 60)
+    seq = list(range(start, start - rng.randint(10, 14), -1))
     return f"count down from {seq[0]} to {seq[-1]}", ", ".join(map(str, seq)) + ", done."
 
 
 def _letters(rng: random.Random) -> tuple[str, str]:
-    a = rng.randint(0, 18)
-    b = min(25, a + rng.randint(4, 10))
+    a = rng.randint(0, 12)
+    b = min(25, a + rng.randint(10, 16))
     letters = string.ascii_lowercase[a:b + 1]
-    return f"letters from {letters[0]} to {letters[-1]}", " ".join(letters)
+    return f"letters from {letters[0]} to {letters[-1]}", " ".join(letters) + "."
 
 
 def _cycle(rng: random.Random, names: list[str], unit: str) -> tuple[str, str]:
     i = rng.randrange(len(names))
-    n = rng.randint(3, 6)
+    n = rng.randint(6, 11)
     after = [names[(i + k) % len(names)] for k in range(1, n + 1)]
-    return f"which {unit}s come after {names[i]}?", f"after {names[i]} come " + ", ".join(after) + "."
+    return f"name {n} {unit}s after {names[i]}", f"after {names[i]} come " + ", ".join(after) + "."
 
 
 def _weekdays(rng: random.Random) -> tuple[str, str]:
@@ -98,32 +98,34 @@ def _animal(rng: random.Random) -> tuple[str, str]:
     name = rng.choice(sorted(ANIMALS))
     home, food, trait = ANIMALS[name]
     return (f"tell me about the {name}",
-            f"the {name} lives in the {home}. it eats {food}. the {name} is {trait}.")
+            f"the {name} lives in the {home}. it eats {food}. the {name} is {trait}. "
+            f"every {name} likes its {home} and its {food}.")
 
 
 def _repeat(rng: random.Random) -> tuple[str, str]:
-    words = rng.sample(WORDS + COLORS, rng.randint(3, 6))
-    return "repeat after me: " + " ".join(words), " ".join(words)
+    words = " ".join(rng.sample(WORDS + COLORS, rng.randint(4, 8)))
+    return f"repeat after me: {words}", f"you said: {words}. again: {words}."
 
 
 def _reverse(rng: random.Random) -> tuple[str, str]:
-    words = rng.sample(WORDS, rng.randint(3, 5))
-    return "reverse: " + " ".join(words), " ".join(reversed(words))
+    words = rng.sample(WORDS, rng.randint(4, 7))
+    forward, backward = " ".join(words), " ".join(reversed(words))
+    return f"reverse: {forward}", f"forward: {forward}. reversed: {backward}."
 
 
-def _add(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randint(0, 20), rng.randint(0, 20)
-    return f"what is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+def _times(rng: random.Random) -> tuple[str, str]:
+    a, n = rng.randint(2, 9), rng.randint(4, 8)
+    return f"times table of {a} up to {n}", ", ".join(f"{a} times {k} is {a * k}" for k in range(1, n + 1)) + "."
 
 
 def _colors(rng: random.Random) -> tuple[str, str]:
     color = rng.choice(COLORS)
-    things = rng.sample(WORDS, 3)
+    things = rng.sample(WORDS, rng.randint(4, 6))
     return (f"describe a {color} scene",
-            f"a {color} {things[0]}, a {color} {things[1]} and a {color} {things[2]}.")
+            ", ".join(f"a {color} {t}" for t in things[:-1]) + f" and a {color} {things[-1]}.")
 
 
-TASKS = [_count, _countdown, _letters, _weekdays, _months, _animal, _repeat, _reverse, _add, _colors]
+TASKS = [_count, _countdown, _letters, _weekdays, _months, _animal, _repeat, _reverse, _times, _colors]
 
 
 def sample_exchange(rng: random.Random) -> tuple[str, str]:
@@ -131,19 +133,22 @@ def sample_exchange(rng: random.Random) -> tuple[str, str]:
     return rng.choice(TASKS)(rng)
 
 
-def demo_conversations(n: int, seed: int = 0, multi_turn_every: int = 5) -> list[list[dict]]:
+def demo_conversations(n: int, seed: int = 0, turns: tuple[int, int] = (2, 3)) -> list[list[dict]]:
     """`n` built-in chat conversations: [{"role": "user"|"assistant", "content": str}, ...].
 
-    Every `multi_turn_every`-th one has two user/assistant exchanges. The assistant answers are the
+    Each has between turns[0] and turns[1] user/assistant exchanges (several short answers give a
+    sample the >= 2 x block_size supervised tokens training asks for). The assistant answers are the
     templates' reference answers: placeholders that `dflash.data.regenerate` replaces with the
     target's own responses (the target imitates them only as well as its short pre-training allows).
     """
+    lo, hi = turns
+    if not 1 <= lo <= hi:
+        raise ValueError(f"turns must be (min, max) with 1 <= min <= max, got {turns}")
     rng = random.Random(seed)
     convs = []
-    for i in range(n):
-        turns = 2 if multi_turn_every and i % multi_turn_every == multi_turn_every - 1 else 1
+    for _ in range(n):
         messages = []
-        for _ in range(turns):
+        for _ in range(rng.randint(lo, hi)):
             prompt, answer = sample_exchange(rng)
             messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
         convs.append(messages)
@@ -167,16 +172,16 @@ class DemoSpec:
     """Every parameter of a demo build; its hash names the cache directory."""
 
     seed: int = 0
-    pretrain_steps: int = 300          # optimizer steps over packed rows of the corpus
-    corpus_size: int = 12000           # conversations in the pre-training corpus
+    pretrain_steps: int = 240          # optimizer steps of batch_size x seq_len tokens
+    corpus_size: int = 8000            # conversations (2-3 exchanges each) in the pre-training corpus
     vocab_size: int = 768              # BPE vocabulary incl. 4 special tokens and 256 bytes
-    hidden_size: int = 96
-    intermediate_size: int = 256
+    hidden_size: int = 64              # CPU cost is per token and op, barely per width: 64 learns as
+    intermediate_size: int = 192       # well as 96 in the same time here
     num_layers: int = 8                # 6 GatedDeltaNet + 2 full attention with the 3:1 pattern
     full_attention_interval: int = 4   # every 4th layer is full attention, as in Qwen3.5
-    seq_len: int = 128                 # packed row length; the torch GatedDeltaNet runs 64-token chunks
-    batch_size: int = 16               # rows per step
-    lr: float = 3e-3                   # AdamW peak; 5% warmup, cosine to 10%
+    seq_len: int = 256                 # packed row length (a multiple of the torch GatedDeltaNet's 64-token chunk)
+    batch_size: int = 8                # rows per step
+    lr: float = 4e-3                   # AdamW peak; 5% warmup, cosine to 10%
 
     def key(self) -> str:
         blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
@@ -216,18 +221,22 @@ def build_demo_target(out_dir=None, *, seed: int = 0, pretrain_steps: int = Demo
     about a minute on one CPU core. Under torchrun, build on rank 0 and barrier before the others
     load it (concurrent builds are safe, just wasted work: the first rename wins).
     """
-    spec = DemoSpec(seed=seed, pretrain_steps=pretrain_steps)
     if pretrain_steps < 0:
         raise ValueError(f"pretrain_steps must be >= 0, got {pretrain_steps}")
+    spec = DemoSpec(seed=seed, pretrain_steps=pretrain_steps)
     root = Path(out_dir) if out_dir is not None else default_demo_dir()
     final = root / f"demo-target-{spec.key()}"
     if _is_complete(final, spec):
         return final
-    if final.exists():
+    if final.exists() and not _is_complete(final, spec):  # re-check: a concurrent build may just have landed
         log.warning("%s is incomplete (no matching %s); rebuilding it", final, RECORD)
         shutil.rmtree(final)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    threads = torch.get_num_threads()
+    # One thread: ops this small gain nothing from more, several threads on a busy machine lose
+    # several-fold to oversubscription, and a fixed count keeps float reductions (the build) repeatable.
+    torch.set_num_threads(1)
     try:
         _build_into(tmp, spec, progress)
         try:
@@ -236,25 +245,25 @@ def build_demo_target(out_dir=None, *, seed: int = 0, pretrain_steps: int = Demo
             if not _is_complete(final, spec):  # someone else's rename won only if theirs is complete
                 raise
     finally:
+        torch.set_num_threads(threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _pack_rows(token_lists: list[list[int]], seq_len: int, pad_id: int) -> torch.Tensor:
+def _pack_rows(token_lists: list[list[int]], seq_len: int, pad_id: int, open_rows: int = 32) -> torch.Tensor:
     """Pack whole conversations into rows of `seq_len` tokens -> LongTensor [R, seq_len] (pad_id-filled).
 
-    Rows start at a conversation boundary, as generation does; a conversation longer than a row is cut.
+    First fit over the last `open_rows` rows keeps padding to a few percent while every row still
+    starts at a conversation boundary, as generation does. A conversation longer than a row is cut.
     """
-    rows, row = [], []
+    rows: list[list[int]] = []
     for ids in token_lists:
         ids = ids[:seq_len]
-        if len(row) + len(ids) > seq_len:
-            rows.append(row + [pad_id] * (seq_len - len(row)))
-            row = []
+        row = next((r for r in rows[-open_rows:] if len(r) + len(ids) <= seq_len), None)
+        if row is None:
+            rows.append(row := [])
         row += ids
-    if row:
-        rows.append(row + [pad_id] * (seq_len - len(row)))
-    return torch.tensor(rows, dtype=torch.long)
+    return torch.tensor([r + [pad_id] * (seq_len - len(r)) for r in rows], dtype=torch.long)
 
 
 def _lr_at(step: int, spec: DemoSpec) -> float:
@@ -336,7 +345,7 @@ def probe_greedy(model, tokenizer, n_prompts: int = 16, max_new_tokens: int = 48
     """Greedy answers to held-out demo prompts: diversity, exact-match rate, and a few samples."""
     from dflash.data import generate_replies
 
-    convs = demo_conversations(n_prompts, seed=seed, multi_turn_every=0)
+    convs = demo_conversations(n_prompts, seed=seed, turns=(1, 1))
     replies, n_cut = generate_replies(model, tokenizer, [c[:1] for c in convs], max_new_tokens)
     answers = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in replies]
     exact = sum(r == c[1]["content"] for r, c in zip(replies, convs))
@@ -348,7 +357,7 @@ def _build_into(path: Path, spec: DemoSpec, progress: bool) -> None:
     """Build tokenizer + model, pre-train, probe, and save everything (record last) into `path`."""
     from dflash.tokenizer import build_chat_tokenizer
 
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     # the corpus seed is derived, so demo_conversations(n, seed) prompts are not the corpus verbatim
     corpus = demo_conversations(spec.corpus_size, seed=spec.seed + 7919)
     tokenizer = build_chat_tokenizer(_train_texts(corpus), spec.vocab_size)
@@ -366,7 +375,9 @@ def _build_into(path: Path, spec: DemoSpec, progress: bool) -> None:
         "params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer),
         "rows": len(rows), "loss_first": round(losses[0], 4) if losses else None,
         "loss_last10": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
-        "probe": probe, "seconds": round(time.monotonic() - started, 1), "torch": torch.__version__,
+        "probe": probe, "seconds": round(time.monotonic() - started, 1),
+        "cpu_seconds": round(time.process_time() - cpu_started, 1), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
     }
     (path / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     log.info("demo target built in %.0f s: loss %s -> %s, greedy answers use %d distinct tokens",

@@ -212,7 +212,7 @@ def test_regenerate_replaces_and_appends(tiny_target):
 
 def test_batched_greedy_equals_one_by_one(tiny_target):
     """Left padding must not change greedy answers: batched replies equal unbatched ones."""
-    histories = [c[:1] for c in demo_conversations(4, seed=4, multi_turn_every=0)]
+    histories = [c[:1] for c in demo_conversations(4, seed=4, turns=(1, 1))]
     model, tok = tiny_target.model, tiny_target.tokenizer
     batched, _ = generate_replies(model, tok, histories, 6, batch_size=4)
     single = [generate_replies(model, tok, [h], 6, batch_size=1)[0][0] for h in histories]
