@@ -176,3 +176,42 @@ def test_demo_drafter_beats_both_baselines(tmp_path):
     assert trained["lossless"] is True and trained["tau"] >= MIN_TAU, results
     for baseline in ("untrained drafter", "repeat last token"):
         assert trained["tau"] >= results[baseline]["tau"] + MARGIN, results
+
+
+# --- on a GPU --------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_training_runs_in_bf16_and_learns(tiny, tmp_path):
+    """A few bf16-autocast steps on the GPU: the target runs in bf16, the loss is finite and falls."""
+    target, data = tiny
+    cfg = _config(target, data, tmp_path / "gpu", max_steps=30, device="cuda", lr=3e-3, warmup_ratio=0.0)
+    result = train(cfg, handle_signals=False)
+    losses = [m["loss"] for m in result.history]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    assert next(result.drafter.parameters()).is_cuda
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_names_the_knobs(tmp_path):
+    """A micro-batch whose logits cannot fit (8 x 8192 tokens, 4096 anchors each, a 262144-wide head:
+    about 275 GB of bf16 logits) must stop with the knobs to turn, not a bare CUDA traceback."""
+    from transformers import Qwen3_5ForCausalLM
+    import types as _types
+
+    from dflash.target import Target
+    from dflash.train import TrainError
+    from dflash_tiny import qwen3_5_config
+
+    config = qwen3_5_config(4)
+    config.vocab_size = 262144
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    target = Target(model, _types.SimpleNamespace(pad_token_id=0, eos_token_id=1, mask_token_id=None), mask_token=3)
+    g = torch.Generator().manual_seed(0)
+    items = [{"input_ids": torch.randint(4, 1000, (8192,), generator=g), "loss_mask": torch.ones(8192, dtype=torch.long)}
+             for _ in range(8)]
+    cfg = TrainConfig(out=str(tmp_path / "oom"), max_length=8192, max_tokens=8 * 8192, batch_size=8,
+                      max_anchors=4096, max_steps=1, epochs=0, drafter_layers=1, progress=False, device="cuda")
+    with pytest.raises(TrainError, match="out of memory.*--max-anchors \\(now 4096\\).*--max-tokens.*--batch-size"):
+        train(cfg, target=target, items=items, handle_signals=False)
+    torch.cuda.empty_cache()
