@@ -56,6 +56,8 @@ class DataReport:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
         return f"{self.source}: read {self.n_read}, kept {self.n_kept}, skipped {self.n_skipped} ({reasons})"
 
+    __str__ = summary
+
     def to_dict(self) -> dict:
         return {"source": self.source, "n_read": self.n_read, "n_kept": self.n_kept,
                 "skipped": dict(self.skipped), "examples": list(self.examples)}
@@ -118,16 +120,17 @@ def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], Dat
         raise DataError(f"{path}: no such file; pass a JSONL file with one conversation per line")
     report = DataReport(source=str(path))
     conversations = []
-    with path.open(encoding="utf-8", errors="replace") as lines:
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
+    with path.open("rb") as lines:
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
                 continue
             report.n_read += 1
             try:
-                conversations.append(parse_conversation(json.loads(line)))
+                conversations.append(parse_conversation(json.loads(raw.decode("utf-8"))))
                 report.n_kept += 1
-            except ValueError as exc:  # json.JSONDecodeError is a ValueError
-                reason = "bad_json" if isinstance(exc, json.JSONDecodeError) else "bad_conversation"
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                reason = ("not_utf8" if isinstance(exc, UnicodeDecodeError) else
+                          "bad_json" if isinstance(exc, json.JSONDecodeError) else "bad_conversation")
                 detail = f"{path}:{lineno}: {exc}"
                 if on_error == "stop":
                     raise DataError(f"{detail}; fix or delete that line, or load with on_error='skip'") from None
@@ -273,6 +276,7 @@ def make_batches(lengths: list[int], max_tokens: int | None, batch_size: int, se
             longest = grown
         batches.append(batch)
     rng.shuffle(batches)
+    log.debug("epoch %d: %d batches, %.1f%% padding", epoch, len(batches), 100 * padding_fraction(lengths, batches))
     return batches
 
 
@@ -333,7 +337,10 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     replies: list[str] = [""] * len(prompts)
     n_cut = 0
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    # top_k=0 turns off generate's default top-k 50: sample from the target's full distribution
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {"do_sample": False}
     for start in tqdm(range(0, len(order), batch_size), desc="regenerate", unit="batch", disable=not progress):
         rows = order[start:start + batch_size]
         width = max(len(prompts[i]) for i in rows)

@@ -70,6 +70,14 @@ def test_skip_counts_each_problem(tmp_path):
     assert convs[2] == [{"role": "assistant", "content": "a"}]
 
 
+def test_non_utf8_line_is_counted(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n" + b'{"messages": "\xff\xfe"}\n')
+    convs, report = load_chat_jsonl(path)
+    assert len(convs) == 1 and report.skipped == {"not_utf8": 1}
+    assert str(report) == f"{path}: read 2, kept 1, skipped 1 (1 not_utf8)"
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(DataError, match="nope.jsonl: no such file"):
         load_chat_jsonl(tmp_path / "nope.jsonl")
