@@ -124,3 +124,28 @@ def test_known_family_mask_id_is_used_only_where_the_embedding_has_it():
     assert _resolve_mask_token(tok, "qwen3_5_text", 248320, None) == 248070
     with pytest.raises(TargetError, match="no mask token"):
         _resolve_mask_token(tok, "qwen3", 96, None)
+
+
+
+def test_cpu_tensors_take_the_torch_reference_even_where_fla_resolved(qwen35_dir):
+    """transformers 5.24 resolves chunk_gated_delta_rule to fla when fla imports; CPU must not reach it."""
+    import sys
+
+    from dflash.target import kernel_functions
+
+    target = Target.load(qwen35_dir)
+    Target.load(qwen35_dir)  # routing a second time must not wrap twice
+    module = sys.modules[type(target.model).__module__]
+    resolved = {fn.name: fn for fn in kernel_functions(module)}
+    assert set(resolved) == GDN_FUNCTIONS
+    fn = resolved["chunk_gated_delta_rule"]
+    routed = getattr(module, fn.attr)
+    assert getattr(routed, "__dflash_routed__", False) == fn.fast
+    assert not getattr(getattr(routed, "__wrapped__", None), "__dflash_routed__", False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, 8, generator=g) for _ in range(3))
+    kwargs = dict(g=-torch.rand(1, 5, 2, generator=g), beta=torch.rand(1, 5, 2, generator=g),
+                  use_qk_l2norm_in_kernel=True)
+    out, _ = routed(q, k, v, **kwargs)
+    ref, _ = fn.torch_function(q, k, v, **kwargs)
+    assert torch.equal(out, ref)
