@@ -56,7 +56,7 @@ class DrafterProposer:
         self.drafter = drafter.eval()
         self.block_size = block_size or drafter.config.block_size
         if self.block_size != drafter.config.block_size:
-            # RoPE offsets and the masked positions were trained for one block size; warn loudly by failing.
+            # The drafter learned its masked positions for one block size; another size is a silent mismatch.
             raise ValueError(f"block_size {self.block_size} differs from the drafter's trained "
                              f"block_size {drafter.config.block_size}; leave block_size unset")
 
