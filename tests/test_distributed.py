@@ -33,6 +33,7 @@ def test_single_process_needs_no_process_group():
     assert distributed.any_rank(d, True) and not distributed.any_rank(d, False)
 
 
+@pytest.mark.slow  # three interpreter starts with torch + transformers: 30-90 s on a 2-core machine
 def test_two_gloo_processes_match_one_process(tmp_path):
     """Same command, `torchrun --nproc-per-node 2` versus a plain process: per-step losses agree to
     float rounding and so do the final weights (batch 5 also exercises an uneven 3 + 2 split)."""
