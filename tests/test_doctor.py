@@ -313,6 +313,9 @@ def test_dispatch_agrees_with_the_fallback_warning():
     handler.emit = lambda rec: seen.append(rec.getMessage())
     log = logging.getLogger("transformers.integrations.hub_kernels")
     log.addHandler(handler)
+    # transformers logs this once per process (an lru_cache on Logger.warning_once): forget earlier
+    # calls made by other tests so the message is emitted again here.
+    getattr(logging.Logger.warning_once, "cache_clear", lambda: None)()
     try:
         out = qwen.causal_conv1d_fn(torch.randn(1, 4, 8), torch.randn(4, 3), None, activation="silu")
     finally:
