@@ -230,7 +230,7 @@ def run_demo(config: TrainConfig) -> int:
     from .evaluate import evaluate, evaluate_baseline
     from .train import dataset_items, load_target, setup_logging, train
 
-    d = distributed.init(config.device)
+    d = distributed.init(config.device, cpu_threads=config.cpu_threads)
     setup_logging(config.out_dir, d.is_main)
     if d.is_main:
         build_demo_target(config.demo_target_dir(), seed=config.seed, progress=config.progress)

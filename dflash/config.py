@@ -66,6 +66,7 @@ class TrainConfig:
     device: str = _opt("auto", "'auto' (cuda:LOCAL_RANK if a GPU is there, else cpu), 'cpu', 'cuda', 'cuda:N'")
     precision: str = _opt("auto", "'auto' (bf16 autocast on GPU, fp32 on CPU), 'bf16' or 'fp32'",
                           choices=("auto", "bf16", "fp32"))
+    cpu_threads: int = _opt(0, "threads for CPU tensor ops (0: torch's default); 1 avoids oversubscription on a busy machine")
     log_every: int = _opt(10, "log loss, accuracy and tokens/s every this many optimizer steps")
     save_every: int = _opt(500, "write a checkpoint every this many optimizer steps (0: only at the end)")
     keep_checkpoints: int = _opt(2, "how many checkpoints to keep in --out/checkpoints (oldest removed)")
@@ -86,7 +87,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_flag(name)} is {getattr(self, name)}; it must be at least 1.")
-        for name in ("epochs", "max_steps", "save_every", "weight_decay", "grad_clip"):
+        for name in ("epochs", "max_steps", "save_every", "weight_decay", "grad_clip", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} is {getattr(self, name)}; it must be 0 or more.")
         if self.block_size < 2:

@@ -51,8 +51,14 @@ def pick_device(spec: str, local_rank: int) -> torch.device:
     return device
 
 
-def init(device_spec: str = "auto", timeout_s: float = 1800) -> Dist:
-    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set); otherwise run alone."""
+def init(device_spec: str = "auto", timeout_s: float = 1800, cpu_threads: int = 0) -> Dist:
+    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set); otherwise run alone.
+
+    `cpu_threads` > 0 caps torch's intra-op threads: on a shared or small machine, OpenMP threads that
+    wait for a descheduled sibling can make small CPU ops tens of times slower.
+    """
+    if cpu_threads > 0:
+        torch.set_num_threads(cpu_threads)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -517,7 +517,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     config.target / config.data. `on_step(step, metrics)` runs after every optimizer step; when it
     returns True the run stops as if it got SIGTERM (checkpoint, then return).
     """
-    d = distributed.init(config.device)
+    d = distributed.init(config.device, cpu_threads=config.cpu_threads)
     setup_logging(config.out_dir, d.is_main)
     stop = StopFlag().install() if handle_signals else StopFlag()
     try:

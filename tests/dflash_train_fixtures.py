@@ -52,7 +52,7 @@ def write_chat_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
 def train_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
     """dflash-train flags for a few fast steps on the tiny target (extra: flag name -> value)."""
     opts = dict(block_size=4, drafter_layers=1, max_length=96, max_tokens=512, batch_size=4, max_anchors=8,
-                max_steps=4, epochs=0, log_every=1, save_every=0, seed=0, device="cpu")
+                max_steps=4, epochs=0, log_every=1, save_every=0, seed=0, device="cpu", cpu_threads=1)
     opts.update(extra)
     argv = ["--target", str(target), "--data", str(data), "--out", str(out), "--no-progress"]
     for key, value in opts.items():

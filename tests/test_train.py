@@ -157,7 +157,7 @@ def test_signal_finishes_the_step_and_checkpoints(tiny, tmp_path, sig, code):
 # The demo recipe (config.DEMO_DEFAULTS: block size 8, 2 drafter layers) cut to fit a CPU test. On an
 # H200 the full recipe (300 steps, 256 conversations) reached tau 5.89 against 1.00 (untrained drafter)
 # and 1.01 (repeat last token) on 16 held-out prompts.
-LEARN_ARGS = ["--max-steps", "150", "--demo-conversations", "128", "--eval-prompts", "8", "--eval-new-tokens", "48"]
+LEARN_ARGS = ["--cpu-threads", "1", "--max-steps", "150", "--demo-conversations", "128", "--eval-prompts", "8", "--eval-new-tokens", "48"]
 MIN_TAU = 2.0     # accepted tokens per verify step the trained drafter must reach (the baselines give ~1)
 MARGIN = 1.0      # ... and its lead over each baseline
 
