@@ -58,6 +58,18 @@ def pytest_runtest_setup(item):
             pytest.skip(f"{tier}: {why}")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test of a required tier that skips from inside (a fixture's own skip) fails too: CI must not
+    pass on tests that never ran."""
+    outcome = yield
+    report = outcome.get_result()
+    tiers = sorted(t for t in REQUIRED if item.get_closest_marker(t))
+    if report.skipped and tiers and not item.get_closest_marker("gpu"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped although tier(s) {tiers} are required here (DFLASH_REQUIRE): {report.longrepr}"
+
+
 @pytest.fixture(scope="session")
 def ci_target():
     from wheelbuilder import targets
