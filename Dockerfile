@@ -81,8 +81,6 @@ COPY --from=wheel-build /out/ /
 FROM ${RUNTIME_BASE} AS runtime
 ARG TARGET=cu128-sm120
 ARG TORCH_LOCK=cu128
-ARG GIT_REVISION=unknown
-ARG WHEEL_SHA256=unknown
 # Set to 0 only to build a deliberately broken image for tests of the health check.
 ARG BUILD_CHECK=1
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -121,6 +119,10 @@ RUN --mount=type=bind,source=dist/wheels,target=/wheels \
 RUN if [ "$BUILD_CHECK" = 1 ]; then dflash doctor --quick; fi
 RUN useradd --create-home --uid 1000 --shell /bin/bash dflash
 USER dflash
+# Declared this late on purpose: they change with every commit / wheel, and an ARG in scope is part of
+# every later RUN's cache key, so declared at the top they would re-run the 5 GB venv layer each time.
+ARG GIT_REVISION=unknown
+ARG WHEEL_SHA256=unknown
 WORKDIR /home/dflash
 LABEL org.opencontainers.image.title="dflash-train" \
       org.opencontainers.image.revision="${GIT_REVISION}" \
