@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wheelbuilder.fsutil import atomic_write
+
 
 class ConfigError(ValueError):
     """An option has a bad value or options contradict each other; the message says which and the fix."""
@@ -164,16 +166,7 @@ DEMO_DEFAULTS: dict = dict(
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, text)
 
 
 def _flag(name: str) -> str:

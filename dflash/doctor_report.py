@@ -19,11 +19,11 @@ The JSON document (schema version 1) is what `dflash healthcheck` reads back:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from wheelbuilder.fsutil import atomic_write
 
 SCHEMA_VERSION = 1
 # Where the doctor keeps its verdict and the health check reads it (both honour the env variable).
@@ -109,19 +109,6 @@ def render_table(report: Report) -> str:
 
 
 def write_json_atomic(path: Path | str, data: dict) -> Path:
-    """Write JSON to `path` via a temp file in the same directory and os.replace, so a reader never
-    sees half a file (the health check may read it at any moment)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write JSON to `path` atomically, so a reader never sees half a file (the health check may read
+    it at any moment)."""
+    return atomic_write(path, json.dumps(data, indent=2, default=str) + "\n")

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import AuditError, BuildError
+from .fsutil import atomic_write
 from .wheelfile import wheel_sha256
 
 MANIFEST = "manifest.json"
@@ -132,19 +131,7 @@ def write_manifest(directory: Path | str, entries) -> Path:
     merged.update({e.filename: e for e in entries})
     text = Manifest(tuple(merged.values())).to_json()
 
-    path = directory / MANIFEST
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{MANIFEST}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(directory / MANIFEST, text)
 
 
 def verify_wheels(directory: Path | str) -> list[str]:
