@@ -166,7 +166,7 @@ def build_image(target: tg.Target, *, tag: str | None = None, extra_args: dict[s
                 f"Build them first: `make wheels TARGET={target.name}`."
             )
         manifest = read_manifest(wheels_dir)
-        args["WHEEL_SHA256"] = ",".join(sorted(w["sha256"] if isinstance(w, dict) else w.sha256 for w in _wheels(manifest)))
+        args["WHEEL_SHA256"] = ",".join(sorted(w.sha256 for w in manifest.wheels))
     args |= extra_args or {}
     spec = BuildSpec(stage="runtime", build_args=args, tag=tag)
     if dry_run:
@@ -208,10 +208,6 @@ def run_demo(target: tg.Target, args: list[str] | None = None, tag: str | None =
         return int(container.wait()["StatusCode"])
     finally:
         container.remove(force=True)
-
-
-def _wheels(manifest):
-    return manifest["wheels"] if isinstance(manifest, dict) else manifest.wheels
 
 
 def register(sub) -> None:

@@ -4,7 +4,7 @@ environment through the carried files."""
 import pytest
 
 from images import export, lxc
-from pct_double.demo_image import demo_image
+from pct_double.demo_image import demo_image_or_skip
 
 pytestmark = [pytest.mark.lxc, pytest.mark.docker]
 
@@ -14,11 +14,7 @@ def artifacts(tmp_path_factory):
     why = lxc.available()
     if why:
         pytest.skip(why)
-    pytest.importorskip("docker")
-    try:
-        image = demo_image()
-    except Exception as e:
-        pytest.skip(f"cannot build the demo image: {e}")
+    image = demo_image_or_skip()
     out = tmp_path_factory.mktemp("artifacts")
     oci, template = export.export(image, "both", out, progress=False).artifacts
     return {"oci": oci, "template": template}

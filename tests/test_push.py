@@ -8,7 +8,7 @@ import pytest
 
 from images import lxc, proxmox, push
 from pct_double import sshd
-from pct_double.demo_image import demo_image
+from pct_double.demo_image import demo_image_or_skip
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,11 +28,7 @@ def pve(tmp_path_factory):
     for why in (sshd.available(), lxc.available()):
         if why:
             pytest.skip(why)
-    pytest.importorskip("docker")
-    try:
-        image = demo_image()
-    except Exception as e:
-        pytest.skip(f"cannot build the demo image: {e}")
+    image = demo_image_or_skip()
     base = tmp_path_factory.mktemp("pve")
     env = {"PCT_DOUBLE_PYTHON": sys.executable, "PYTHONPATH": str(REPO), "PCT_DOUBLE_ROOT": str(base / "lxc"),
            "PCT_DOUBLE_CONF_DIR": str(base / "conf"), "PCT_DOUBLE_TEMPLATE_DIR": str(base / "cache")}
