@@ -11,29 +11,52 @@
 # default target's (cu128-sm120).
 ARG BUILDER_BASE=nvidia/cuda:12.8.1-devel-ubuntu24.04
 ARG RUNTIME_BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
+# Which OS stage python-torch starts from: builder-os for `--target wheels`/`toolkit`, runtime-os for
+# `--target runtime` (the CLI sets it). Where both bases are one image (the cu130 targets), the
+# python-torch layers of the two builds are identical and stored once.
+ARG TORCH_ENV_FROM=builder-os
+
+FROM ${BUILDER_BASE} AS builder-os
+FROM ${RUNTIME_BASE} AS runtime-os
 
 ###################################################################################################
-# toolkit: Python + the target's exact torch + (pypi toolkits) NVIDIA's CUDA wheels as CUDA_HOME
+# python-torch: a venv with the target's exact torch and its CUDA libraries (locks/<lock>/common.txt:
+# the pins the builder and runtime locks share), the one multi-GB layer of both images
 ###################################################################################################
-FROM ${BUILDER_BASE} AS toolkit
-# Folder under locks/ with the hash-pinned builder.txt / runtime.txt for the target's torch.
+FROM ${TORCH_ENV_FROM} AS python-torch
+# Folder under locks/ with the hash-pinned common.txt / builder.txt / runtime.txt for the target's torch.
 ARG TORCH_LOCK=cu128
-# Keep apt quiet and non-interactive; the venv is the only Python environment packages go into.
+# Keep apt quiet and non-interactive; the venv is the only Python environment packages go into. No pip
+# cache: the layer cache is the cache, and a cache of multi-GB wheels would only double the disk used.
 ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
 RUN apt-get update -qq \
- && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev g++ ccache ca-certificates \
+ && apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
-# torch and the toolkit wheels, hash-checked. The pip cache is a cache mount shared with the runtime
-# stage (same id), so the multi-GB CUDA wheels are downloaded once; the CA secret never enters a layer.
-RUN --mount=type=bind,source=locks,target=/src/locks \
-    --mount=type=cache,id=pip-${TORCH_LOCK},target=/root/.cache/pip \
+# Only common.txt is mounted, so a change to another lock file never re-runs this layer. The CA bundle
+# is a secret: it never enters a layer.
+RUN --mount=type=bind,source=locks/${TORCH_LOCK}/common.txt,target=/src/common.txt \
     --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
- && pip install --progress-bar off --require-hashes -r /src/locks/${TORCH_LOCK}/builder.txt
+ && pip install --progress-bar off --require-hashes --no-deps -r /src/common.txt
+
+###################################################################################################
+# toolkit: + the C++ compiler, and (pypi toolkits) NVIDIA's CUDA wheels as CUDA_HOME
+###################################################################################################
+FROM python-torch AS toolkit
+ARG TORCH_LOCK=cu128
+RUN apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends python3-dev g++ ccache \
+ && rm -rf /var/lib/apt/lists/*
+# The rest of the builder lock (what python-torch installed is already satisfied), hash-checked.
+RUN --mount=type=bind,source=locks/${TORCH_LOCK}/builder.txt,target=/src/builder.txt \
+    --mount=type=secret,id=ca \
+    if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
+ && pip install --progress-bar off --require-hashes -r /src/builder.txt
 
 ###################################################################################################
 # wheel-build: fetch the pinned sdist, patch its arch flags, compile, repack deterministically, audit
@@ -78,41 +101,36 @@ COPY --from=wheel-build /out/ /
 ###################################################################################################
 # runtime: slim image with the locked torch, the audited wheels, fla, transformers and dflash
 ###################################################################################################
-FROM ${RUNTIME_BASE} AS runtime
+FROM python-torch AS runtime
 ARG TARGET=cu128-sm120
 ARG TORCH_LOCK=cu128
 # Set to 0 only to build a deliberately broken image for tests of the health check.
 ARG BUILD_CHECK=1
-ENV DEBIAN_FRONTEND=noninteractive \
-    VIRTUAL_ENV=/opt/venv \
-    PATH=/opt/venv/bin:$PATH \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONUNBUFFERED=1 \
+ENV PYTHONUNBUFFERED=1 \
     DFLASH_TARGET=${TARGET} \
     DFLASH_STATE_DIR=/tmp/dflash \
     DFLASH_TARGETS_FILE=/opt/dflash/src/targets.toml \
     HF_HUB_OFFLINE=1
 # gcc + libc headers + Python headers: Triton compiles a small C launcher at first use (and nothing
-# else of a toolchain: no nvcc, no CUDA headers).
+# else of a toolchain: no nvcc, no CUDA headers). tini reaps and forwards signals.
 RUN apt-get update -qq \
- && apt-get install -y -qq --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates tini \
- && rm -rf /var/lib/apt/lists/* \
- && python3 -m venv /opt/venv
-RUN --mount=type=bind,source=locks,target=/src/locks \
-    --mount=type=cache,id=pip-${TORCH_LOCK},target=/root/.cache/pip \
+ && apt-get install -y -qq --no-install-recommends python3-dev gcc libc6-dev tini \
+ && rm -rf /var/lib/apt/lists/*
+# The rest of the runtime lock (fla, transformers, ...), hash-checked.
+RUN --mount=type=bind,source=locks/${TORCH_LOCK}/runtime.txt,target=/src/runtime.txt \
     --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
- && pip install --progress-bar off --require-hashes -r /src/locks/${TORCH_LOCK}/runtime.txt
+ && pip install --progress-bar off --require-hashes -r /src/runtime.txt
 # The project itself (pure Python; its dependencies are all in the lock above).
 COPY pyproject.toml README.md targets.toml /opt/dflash/src/
 COPY wheelbuilder /opt/dflash/src/wheelbuilder
 COPY images /opt/dflash/src/images
 COPY dflash /opt/dflash/src/dflash
-RUN pip install --no-deps --no-build-isolation --no-cache-dir /opt/dflash/src
+RUN pip install --no-deps --no-build-isolation /opt/dflash/src
 # The audited wheels: bind-mounted (never a layer), checked against their manifest's sha256 first.
 RUN --mount=type=bind,source=dist/wheels,target=/wheels \
     python -m wheelbuilder verify --dir /wheels/${TARGET} \
- && pip install --no-deps --no-cache-dir /wheels/${TARGET}/*.whl \
+ && pip install --no-deps /wheels/${TARGET}/*.whl \
  && mkdir -p /opt/dflash/wheels && cp /wheels/${TARGET}/manifest.json /opt/dflash/wheels/manifest.json
 # Check at build time what can be checked without a GPU: versions, the extension's import (ABI) and
 # its arch coverage.

@@ -16,10 +16,13 @@ PUSH_ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
+# pip brings in the small dev lock (uv among it); uv installs torch & co. as hard links into its cache,
+# so the venvs the tests create from the same lock cost almost no disk.
 $(VENV)/.installed: locks/cu130/runtime.txt locks/dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --require-hashes -r locks/cu130/runtime.txt -r locks/dev.txt
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r locks/dev.txt
+	$(VENV)/bin/uv pip install --python $(PY) --link-mode hardlink --require-hashes -r locks/cu130/runtime.txt -r locks/dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed  ## host virtualenv from the hash-pinned locks (torch 2.11.0, transformers, fla, test tools)

@@ -56,9 +56,11 @@ def git_revision() -> str:
     return rev + ("-dirty" if dirty.strip() else "")
 
 
-def base_args(target: tg.Target) -> dict[str, str]:
+def base_args(target: tg.Target, torch_env_from: str) -> dict[str, str]:
+    """Build args shared by every stage; `torch_env_from` is the OS stage python-torch starts from
+    (builder-os or runtime-os: the same image for the cu130 targets, so the torch layer is shared)."""
     lock_dir = REPO_ROOT / "locks" / target.torch.lock
-    for name in ("builder.txt", "runtime.txt"):
+    for name in ("common.txt", "builder.txt", "runtime.txt"):
         if not (lock_dir / name).is_file():
             raise ConfigurationError(
                 f"locks/{target.torch.lock}/{name} is missing: target {target.name} installs torch "
@@ -70,6 +72,7 @@ def base_args(target: tg.Target) -> dict[str, str]:
         "TORCH_LOCK": target.torch.lock,
         "BUILDER_BASE": target.toolkit.builder_base,
         "RUNTIME_BASE": target.toolkit.runtime_base,
+        "TORCH_ENV_FROM": torch_env_from,
     }
 
 
@@ -83,7 +86,7 @@ def ensure_base(target: tg.Target) -> None:
 
 
 def wheels_spec(target: tg.Target, output: Path, rebuild: str = "0") -> BuildSpec:
-    args = base_args(target) | {"SOURCE_DATE_EPOCH": str(source_date_epoch()), "REBUILD": rebuild}
+    args = base_args(target, "builder-os") | {"SOURCE_DATE_EPOCH": str(source_date_epoch()), "REBUILD": rebuild}
     for var in ("MAX_JOBS", "NVCC_THREADS", "CCACHE_DISABLE"):
         if var in os.environ:
             args[var] = os.environ[var]
@@ -140,7 +143,7 @@ def toolkit_tag(target: tg.Target) -> str:
 
 def build_toolkit(target: tg.Target) -> str:
     tag = toolkit_tag(target)
-    spec = BuildSpec(stage="toolkit", build_args=base_args(target), tag=tag)
+    spec = BuildSpec(stage="toolkit", build_args=base_args(target, "builder-os"), tag=tag)
     run(spec.command(), env=dict(os.environ, DOCKER_BUILDKIT="1"), log=LOGS / f"toolkit-{target.name}.log",
         on_line=_stage_progress)
     return tag
@@ -157,7 +160,7 @@ def build_image(target: tg.Target, *, tag: str | None = None, extra_args: dict[s
 
     tag = tag or image_tag(target)
     wheels_dir = DIST_WHEELS / target.name
-    args = base_args(target) | {"GIT_REVISION": git_revision()}
+    args = base_args(target, "runtime-os") | {"GIT_REVISION": git_revision()}
     if not dry_run:
         problems = verify_wheels(wheels_dir) if (wheels_dir / "manifest.json").exists() else ["no manifest.json"]
         if problems:

@@ -59,6 +59,28 @@ def test_image_records_target_wheels_and_revision(runtime_image, built_wheels):
     assert cfg["User"] == "dflash"
 
 
+def test_builder_and_runtime_share_the_torch_layer(runtime_image, ci_target):
+    """python-torch is one stage for both images: with the cu130 targets' shared base, the multi-GB
+    torch layer of the builder's toolkit stage and of the runtime image is the same layer, stored once."""
+    from images.build import build_toolkit
+
+    toolkit = client().images.get(build_toolkit(ci_target))  # layer cache: no new work after `wheels`
+    runtime = client().images.get(runtime_image)
+    shared = []
+    for a, b in zip(toolkit.attrs["RootFS"]["Layers"], runtime.attrs["RootFS"]["Layers"]):
+        if a != b:
+            break
+        shared.append(a)
+    torch_layer = client().images.get(runtime_image).history()
+    sizes = {h["CreatedBy"]: h["Size"] for h in torch_layer}
+    torch_size = max(size for cmd, size in sizes.items() if "common.txt" in cmd)
+    assert torch_size > 3e9, sizes  # torch + its CUDA libraries
+    # base + apt/venv + torch layers: everything up to and including the torch layer is common.
+    assert len(shared) >= 3, (toolkit.attrs["RootFS"]["Layers"], runtime.attrs["RootFS"]["Layers"])
+    unique = sum(h["Size"] for h in torch_layer if "common.txt" not in h["CreatedBy"])
+    assert unique < torch_size / 4, f"the runtime image adds {unique / 1e9:.2f} GB beside a {torch_size / 1e9:.2f} GB torch layer"
+
+
 def test_runs_as_non_root_and_carries_no_compiler_toolkit(runtime_image):
     out = client().containers.run(
         runtime_image, ["bash", "-c", "id -u; command -v nvcc || echo no-nvcc; "

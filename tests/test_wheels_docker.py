@@ -57,11 +57,14 @@ def test_wheel_imports_in_a_clean_venv_with_its_torch(built_wheels, tmp_path):
     py = shutil.which(f"python{tg.load().target('cu130-sm120').python}")
     if py is None:
         pytest.skip("needs the target's Python on the host")
+    uv = Path(sys.executable).parent / "uv"
+    assert uv.is_file(), "uv comes with the dev lock: run `make venv`"
     venv = tmp_path / "venv"
     subprocess.run([py, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run(pip + ["--require-hashes", "-r", str(REPO / "locks/cu130/runtime.txt")], check=True)
-    subprocess.run(pip + ["--no-deps", str(built_wheels / WHEEL)], check=True)
+    # uv, as `make venv` does: hard links from its cache, so a second multi-GB torch costs no disk.
+    install = [str(uv), "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"), "--link-mode", "hardlink"]
+    subprocess.run(install + ["--require-hashes", "-r", str(REPO / "locks/cu130/runtime.txt")], check=True)
+    subprocess.run(install + ["--no-deps", str(built_wheels / WHEEL)], check=True)
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c",
          "import torch, causal_conv1d_cuda, causal_conv1d, importlib.metadata as md; "
@@ -113,7 +116,7 @@ def test_cu128_default_target_plan_resolves(capsys):
     assert spec.build_args["TORCH_LOCK"] == "cu128"
     cmd = spec.command()
     assert "--target" in cmd and "wheels" in cmd and any(a.startswith("type=local") for a in cmd)
-    assert isinstance(spec, BuildSpec) and base_args(target)["TARGET"] == "cu128-sm120"
+    assert isinstance(spec, BuildSpec) and base_args(target, "builder-os")["TARGET"] == "cu128-sm120"
 
 
 @pytest.mark.docker
@@ -131,6 +134,9 @@ def test_dockerfile_stages_and_args_resolve_for_the_default_target():
     declared = set(re.findall(r"^ARG (\w+)", text, re.M))
     target = tg.load().target("cu130-sm120")
     assert set(wheels_spec(target, Path("/tmp/x")).build_args) <= declared
-    assert set(base_args(target)) | {"GIT_REVISION", "WHEEL_SHA256", "BUILD_CHECK"} <= declared
+    assert set(base_args(target, "runtime-os")) | {"GIT_REVISION", "WHEEL_SHA256", "BUILD_CHECK"} <= declared
+    # python-torch starts from one of the two OS stages, named by TORCH_ENV_FROM.
+    assert {"builder-os", "runtime-os", "python-torch"} <= stages
+    assert re.search(r"^FROM \$\{TORCH_ENV_FROM\} AS python-torch$", text, re.M)
     default_builder = re.search(r"^ARG BUILDER_BASE=(\S+)", text, re.M).group(1)
     assert default_builder == tg.load().target(None).toolkit.builder_base
