@@ -37,12 +37,13 @@ RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3 python3-venv ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
-# Only common.txt is mounted, so a change to another lock file never re-runs this layer. The CA bundle
-# is a secret: it never enters a layer.
-RUN --mount=type=bind,source=locks/${TORCH_LOCK}/common.txt,target=/src/common.txt \
-    --mount=type=secret,id=ca \
+# Only common.txt is copied first, so a change to another lock file never re-runs this layer (COPY,
+# not a bind mount: BuildKit does not expand build args in --mount sources). The lock files stay in the
+# image as the record of what it holds. The CA bundle is a secret: it never enters a layer.
+COPY locks/${TORCH_LOCK}/common.txt /opt/dflash/locks/common.txt
+RUN --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
- && pip install --progress-bar off --require-hashes --no-deps -r /src/common.txt
+ && pip install --progress-bar off --require-hashes --no-deps -r /opt/dflash/locks/common.txt
 
 ###################################################################################################
 # toolkit: + the C++ compiler, and (pypi toolkits) NVIDIA's CUDA wheels as CUDA_HOME
@@ -53,10 +54,10 @@ RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3-dev g++ ccache \
  && rm -rf /var/lib/apt/lists/*
 # The rest of the builder lock (what python-torch installed is already satisfied), hash-checked.
-RUN --mount=type=bind,source=locks/${TORCH_LOCK}/builder.txt,target=/src/builder.txt \
-    --mount=type=secret,id=ca \
+COPY locks/${TORCH_LOCK}/builder.txt /opt/dflash/locks/builder.txt
+RUN --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
- && pip install --progress-bar off --require-hashes -r /src/builder.txt
+ && pip install --progress-bar off --require-hashes -r /opt/dflash/locks/builder.txt
 
 ###################################################################################################
 # wheel-build: fetch the pinned sdist, patch its arch flags, compile, repack deterministically, audit
@@ -81,7 +82,7 @@ ENV SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH} \
 WORKDIR /src
 COPY targets.toml pyproject.toml ./
 COPY wheelbuilder ./wheelbuilder
-RUN --mount=type=cache,id=ccache-${TARGET},target=/root/.cache/ccache \
+RUN --mount=type=cache,id=dflash-ccache,target=/root/.cache/ccache \
     --mount=type=cache,id=wheelbuilder-sdist,target=/root/.cache/wheelbuilder \
     --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export SSL_CERT_FILE=/run/secrets/ca; fi; \
@@ -117,10 +118,10 @@ RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3-dev gcc libc6-dev tini \
  && rm -rf /var/lib/apt/lists/*
 # The rest of the runtime lock (fla, transformers, ...), hash-checked.
-RUN --mount=type=bind,source=locks/${TORCH_LOCK}/runtime.txt,target=/src/runtime.txt \
-    --mount=type=secret,id=ca \
+COPY locks/${TORCH_LOCK}/runtime.txt /opt/dflash/locks/runtime.txt
+RUN --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
- && pip install --progress-bar off --require-hashes -r /src/runtime.txt
+ && pip install --progress-bar off --require-hashes -r /opt/dflash/locks/runtime.txt
 # The project itself (pure Python; its dependencies are all in the lock above).
 COPY pyproject.toml README.md targets.toml /opt/dflash/src/
 COPY wheelbuilder /opt/dflash/src/wheelbuilder

@@ -28,6 +28,16 @@ def biggest_layers(image, n: int = 5) -> list[tuple[float, str]]:
     return sorted(rows, reverse=True)[:n]
 
 
+def shared_with(a, b) -> float:
+    """GB of layers the two images share (their common RootFS prefix), from the engine's disk usage:
+    `SharedSize` of the smaller side is what the other image does not store again."""
+    layers_a, layers_b = a.attrs["RootFS"]["Layers"], b.attrs["RootFS"]["Layers"]
+    if not layers_a or layers_a[0] != layers_b[0]:
+        return 0.0
+    df = {img["Id"]: img for img in client().df()["Images"]}
+    return min(df[a.id]["SharedSize"], df[b.id]["SharedSize"]) / 1e9
+
+
 def timed_run(tag: str, args: list[str]) -> float:
     started = time.monotonic()
     client().containers.run(tag, args, network_mode="none", remove=True)
@@ -64,6 +74,9 @@ def main() -> int:
     print(f"  runtime image {tag:<28} {runtime_img.attrs['Size'] / 1e9:6.2f} GB")
     print(f"  builder image {builder:<28} {builder_img.attrs['Size'] / 1e9:6.2f} GB "
           f"(runtime/builder {runtime_img.attrs['Size'] / builder_img.attrs['Size']:.2f}x)")
+    shared = shared_with(runtime_img, builder_img)
+    together = (runtime_img.attrs["Size"] + builder_img.attrs["Size"]) / 1e9 - shared
+    print(f"  shared layers (base, python-torch)   {shared:6.2f} GB: both images together take {together:.2f} GB on disk")
     print("  biggest runtime layers:")
     for size, cmd in biggest_layers(runtime_img):
         print(f"    {size:6.2f} GB  {cmd}")

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from wheelbuilder.errors import FatalError
+from wheelbuilder.errors import run_cli
 
 # Modules that add their own subcommands through `register(subparsers)`.
 SUBCOMMAND_MODULES = ("images.build", "images.export", "images.push")
@@ -59,14 +59,7 @@ def _base(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except FatalError as e:
-        print(f"images: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("images: interrupted", file=sys.stderr)
-        return 130
+    return run_cli("images", lambda: args.func(args))
 
 
 if __name__ == "__main__":

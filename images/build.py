@@ -20,7 +20,7 @@ from wheelbuilder.build import exclusive, source_date_epoch
 from wheelbuilder.cmd import echo, run
 from wheelbuilder.errors import BuildError, ConfigurationError
 
-from .engine import REPO_ROOT, ca_bundle, docker_cli, ensure_engine, image_exists
+from .engine import REPO_ROOT, ca_bundle, docker_cli, ensure_engine, ensure_free_space, image_exists
 
 DIST_WHEELS = REPO_ROOT / "dist" / "wheels"
 LOGS = REPO_ROOT / "logs"
@@ -85,6 +85,15 @@ def ensure_base(target: tg.Target) -> None:
         bootstrap()
 
 
+def _prepare(target: tg.Target, what: str, log_name: str) -> Path:
+    """Before any build: an engine, room on its disk, the target's base image; the log file's path."""
+    ensure_engine()
+    ensure_free_space(target.torch.lock, what)
+    ensure_base(target)
+    LOGS.mkdir(exist_ok=True)
+    return LOGS / log_name
+
+
 def wheels_spec(target: tg.Target, output: Path, rebuild: str = "0") -> BuildSpec:
     args = base_args(target, "builder-os") | {"SOURCE_DATE_EPOCH": str(source_date_epoch()), "REBUILD": rebuild}
     for var in ("MAX_JOBS", "NVCC_THREADS", "CCACHE_DISABLE"):
@@ -101,10 +110,7 @@ def build_wheels(target: tg.Target, out_dir: Path | None = None, *, rebuild: str
     if dry_run:
         print(" ".join(wheels_spec(target, out_dir / ".staging").command()))
         return out_dir
-    ensure_engine()
-    ensure_base(target)
-    LOGS.mkdir(exist_ok=True)
-    log = LOGS / f"wheels-{target.name}.log"
+    log = _prepare(target, f"the wheels for {target.name}", f"wheels-{target.name}.log")
     with exclusive(out_dir):
         staging = out_dir / f".staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -175,10 +181,7 @@ def build_image(target: tg.Target, *, tag: str | None = None, extra_args: dict[s
     if dry_run:
         print(" ".join(spec.command()))
         return tag
-    ensure_engine()
-    ensure_base(target)
-    LOGS.mkdir(exist_ok=True)
-    log = LOGS / f"image-{target.name}.log"
+    log = _prepare(target, f"image {tag}", f"image-{target.name}.log")
     log.write_text("")
     echo(f"building image {tag} (log: {log})")
     run(spec.command(), env=dict(os.environ, DOCKER_BUILDKIT="1"), log=log, on_line=_stage_progress)

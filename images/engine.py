@@ -108,6 +108,34 @@ def ensure_engine(wait_s: float = 60.0) -> None:
     raise EngineError(f"dockerd did not answer within {wait_s:.0f} s; see {LOG_DIR / 'dockerd.log'}.")
 
 
+GIB = 1024**3
+# A target's first build: its torch layer (~5 GB unpacked) plus the ~3 GB of wheels pip downloads for
+# it. Once an image of that torch lock exists, the layer is cached and a build adds little.
+FIRST_BUILD_GIB = 10.0
+CACHED_BUILD_GIB = 2.0
+
+
+def ensure_free_space(torch_lock: str, what: str) -> None:
+    """Fail before a build, with the numbers, when Docker's data root cannot hold it (rather than with
+    `No space left on device` halfway through a multi-GB layer). DFLASH_MIN_FREE_GIB overrides the need."""
+    if os.environ.get("DOCKER_HOST", "unix://").split("://")[0] not in ("unix", ""):
+        return  # a remote engine: its disk is not this machine's to read
+    root = client().info().get("DockerRootDir") or "/var/lib/docker"
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return
+    cached = bool(client().images.list(filters={"label": f"io.dflash.torch-lock={torch_lock}"}))
+    need = float(os.environ.get("DFLASH_MIN_FREE_GIB") or (CACHED_BUILD_GIB if cached else FIRST_BUILD_GIB))
+    if free < need * GIB:
+        why = "torch's layer is cached" if cached else f"torch {torch_lock} and its CUDA libraries are not cached yet"
+        raise EngineError(
+            f"Docker's data root {root} has {free / GIB:.1f} GiB free; building {what} needs about "
+            f"{need:.0f} GiB ({why}). Free space (`docker image prune`, `docker builder prune`) or move "
+            "dockerd's data-root to a larger disk; DFLASH_MIN_FREE_GIB=<GiB> overrides this check."
+        )
+
+
 def image_exists(ref: str) -> bool:
     import docker
 

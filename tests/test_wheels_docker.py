@@ -140,3 +140,17 @@ def test_dockerfile_stages_and_args_resolve_for_the_default_target():
     assert re.search(r"^FROM \$\{TORCH_ENV_FROM\} AS python-torch$", text, re.M)
     default_builder = re.search(r"^ARG BUILDER_BASE=(\S+)", text, re.M).group(1)
     assert default_builder == tg.load().target(None).toolkit.builder_base
+
+
+@pytest.mark.docker
+def test_too_little_disk_fails_before_the_build_naming_the_numbers(ci_target, tmp_path, monkeypatch):
+    """A full disk must stop the build up front, not as `No space left on device` inside a 5 GB layer."""
+    from images.build import build_wheels
+    from images.engine import EngineError
+
+    monkeypatch.setenv("DFLASH_MIN_FREE_GIB", "1000000")
+    out = tmp_path / "wheels"
+    with pytest.raises(EngineError, match=r"data root \S+ has [0-9.]+ GiB free; building the wheels for cu130-sm120 needs about 1000000 GiB") as e:
+        build_wheels(ci_target, out)
+    assert "docker builder prune" in str(e.value) and "DFLASH_MIN_FREE_GIB" in str(e.value)
+    assert not out.exists() or not any(out.iterdir())

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import targets as tg
-from .errors import FatalError
+from .errors import FatalError, run_cli
 
 DIST = tg.REPO_ROOT / "dist" / "wheels"
 
@@ -118,14 +118,7 @@ def main_inner(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return main_inner(argv)
-    except FatalError as e:
-        print(f"wheelbuilder: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("wheelbuilder: interrupted; nothing was written to the output directory.", file=sys.stderr)
-        return 130
+    return run_cli("wheelbuilder", lambda: main_inner(argv), "interrupted; nothing was written to the output directory.")
 
 
 if __name__ == "__main__":

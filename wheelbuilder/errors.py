@@ -5,6 +5,10 @@ prints it and exits with its code; everything below it only raises, so tests cal
 """
 
 
+import sys
+from collections.abc import Callable
+
+
 class FatalError(Exception):
     """A failure that stops the build; `str()` is the full, user-facing message."""
 
@@ -45,3 +49,15 @@ class BusyError(FatalError):
     """Another build holds the lock on the same output directory."""
 
     exit_code = 7
+
+
+def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted") -> int:
+    """A command-line entry point's frame: FatalError -> its message and exit code; Ctrl-C -> 130."""
+    try:
+        return body()
+    except FatalError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130
