@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from dflash.config import TrainConfig  # noqa: E402
-from dflash.losses import dflash_loss  # noqa: E402
+from dflash.losses import dflash_loss_from_hidden  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
 from dflash.target import Target  # noqa: E402
 from dflash.train import anchor_seed, build_blocks, sample_anchors, train  # noqa: E402
@@ -125,8 +125,8 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
         t1 = time.perf_counter()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             hidden = drafter(context, embeds, blocks.anchors, batch["attention_mask"].bool(), blocks.anchor_valid)
-            logits = target.lm_head(hidden).view(B, N, cfg.block_size, -1)
-        loss, _ = dflash_loss(logits.float(), blocks.labels, blocks.label_valid, cfg.gamma)
+            loss, _ = dflash_loss_from_hidden(hidden.view(B, N, cfg.block_size, -1), target.lm_head,
+                                              blocks.labels, blocks.label_valid, cfg.gamma)
         sync(device)
         t2 = time.perf_counter()
         loss.backward()

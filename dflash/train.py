@@ -11,8 +11,8 @@ One training step, for a micro-batch of sequences [B,T] with loss mask [B,T]:
     labels    input_ids[a+1 .. a+bs-1]  (valid: inside the sequence, loss_mask 1)  [B, N, bs-1]
     context   target.context(input_ids)                                  [B, T, k*H]   (no grad)
     hidden    drafter(context, target.embed(blocks), anchors, ...)       [B, N*bs, H]
-    logits    target.lm_head(hidden).view(B, N, bs, V)
-    loss      dflash_loss: CE at block positions 1..bs-1, weighted exp(-(k-1)/gamma)
+    loss      dflash_loss_from_hidden: target.lm_head on the scored positions, a chunk of rows at a
+              time; CE at block positions 1..bs-1, weighted exp(-(k-1)/gamma)
 
 Every counter is in OPTIMIZER steps (a step = grad_accum micro-batches); the LR schedule uses the same
 counter. A micro-batch is global: its sequences are split across ranks, and the loss is normalised by
@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import checkpoint as ckpt
 from . import distributed
 from .config import TrainConfig, atomic_write_text
+from .losses import LOSS_CHUNK_ROWS
 
 log = logging.getLogger("dflash.train")
 
@@ -222,7 +223,8 @@ def _oom_message(config: TrainConfig, shape: tuple[int, int], n_anchors: int, vo
     B, T = shape
     return (
         f"out of memory on a micro-batch of {B} x {T} tokens with {n_anchors} anchors x block "
-        f"{config.block_size} ({n_anchors * config.block_size} drafter positions, each with {vocab} logits). "
+        f"{config.block_size} ({n_anchors * config.block_size} drafter positions; logits over {vocab} tokens "
+        f"are taken {LOSS_CHUNK_ROWS} rows at a time). "
         f"Lower --max-anchors (now {config.max_anchors}), --max-tokens (now {config.max_tokens}), "
         f"--batch-size (now {config.batch_size}) or --max-length (now {config.max_length}); "
         "raise --grad-accum to keep the same tokens per optimizer step."
@@ -317,7 +319,7 @@ class Trainer:
 
     def _micro_step(self, batch: dict, anchors: list[torch.Tensor], accum: int, sync: bool) -> dict:
         """Forward + backward of one micro-batch; returns summed (not averaged) statistics."""
-        from .losses import dflash_loss
+        from .losses import dflash_loss_from_hidden
 
         cfg, target = self.config, self.target
         ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
@@ -337,8 +339,10 @@ class Trainer:
             with amp:
                 hidden = self.model(context, block_embeds,
                                     blocks.anchors, attn.bool(), blocks.anchor_valid)
-                logits = target.lm_head(hidden).view(B, N, cfg.block_size, -1)
-            loss, stats = dflash_loss(logits, blocks.labels, blocks.label_valid, cfg.gamma)
+                # The LM head runs on the scored positions only, a chunk at a time (never the full
+                # [anchors x block x vocab] logits).
+                loss, stats = dflash_loss_from_hidden(hidden.view(B, N, cfg.block_size, -1), target.lm_head,
+                                                      blocks.labels, blocks.label_valid, cfg.gamma)
             loss_sum = loss * local_w  # dflash_loss averages over this rank's weight; undo that
             scale = self.d.world_size / (global_w.clamp(min=1e-12) * accum)
             (loss_sum * scale).backward()

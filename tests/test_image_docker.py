@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_HEALTH = {"test": ["CMD", "dflash", "healthcheck"], "interval": 2_000_000_000, "timeout": 20_000_000_000,
-               "retries": 1, "start_period": 120_000_000_000}
+               "retries": 1, "start_period": 30_000_000_000}
 
 
 def client():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.losses import default_gamma, dflash_loss, position_weights
+from dflash.losses import default_gamma, dflash_loss, dflash_loss_from_hidden, position_weights
 
 
 def test_default_gamma_known_values_and_rule():
@@ -87,3 +87,57 @@ def test_nothing_valid_gives_zero_loss_with_graph():
 def test_shape_mismatch_is_named():
     with pytest.raises(ValueError, match=r"labels and valid must be \[B,N,bs-1\]"):
         dflash_loss(torch.randn(1, 2, 4, 7), torch.zeros(1, 2, 4, dtype=torch.long), torch.ones(1, 2, 4, dtype=torch.bool))
+
+
+class RecordingHead(torch.nn.Linear):
+    """A real LM head (Linear) that records how many rows each call saw."""
+
+    def __init__(self, hidden, vocab, generator):
+        super().__init__(hidden, vocab, bias=False)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(vocab, hidden, generator=generator))
+        self.rows = []
+
+    def forward(self, x):
+        self.rows.append(x.shape[0])
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 10_000])
+def test_chunked_loss_from_hidden_equals_the_full_logits_loss(chunk_rows):
+    """Same loss, same gradient w.r.t. the drafter's hidden states, same stats; the head never sees more
+    than chunk_rows rows, and only the scored positions (not the anchors, not invalid labels)."""
+    g = torch.Generator().manual_seed(chunk_rows)
+    B, N, bs, H, V = 2, 3, 6, 8, 13
+    head = RecordingHead(H, V, g)
+    head.requires_grad_(False)  # the target's head is frozen
+    hidden = torch.randn(B, N, bs, H, generator=g, requires_grad=True)
+    labels = torch.randint(0, V, (B, N, bs - 1), generator=g)
+    valid = torch.rand(B, N, bs - 1, generator=g) > 0.3
+    valid[0, 0] = True  # one fully valid block, so tau_est is defined
+    labels[~valid] = -100
+
+    ref_loss, ref_stats = dflash_loss(head(hidden), labels, valid, None)
+    ref_loss.backward()
+    ref_grad, hidden.grad = hidden.grad.clone(), None
+    head.rows.clear()
+
+    loss, stats = dflash_loss_from_hidden(hidden, head, labels, valid, None, chunk_rows=chunk_rows)
+    forward_rows = list(head.rows)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert torch.allclose(hidden.grad, ref_grad, atol=1e-6)
+    assert torch.equal(stats["acc_per_pos"], ref_stats["acc_per_pos"])
+    assert (stats["acc"], stats["n_valid"], stats["tau_est"]) == (ref_stats["acc"], ref_stats["n_valid"], ref_stats["tau_est"])
+    assert sum(forward_rows) == int(valid.sum()) and max(forward_rows) <= chunk_rows
+    assert max(head.rows) <= chunk_rows  # the backward recomputes chunk by chunk too
+    assert hidden.grad[:, :, 0].abs().sum() == 0  # anchors are never scored
+
+
+def test_chunked_loss_with_nothing_valid_is_zero_with_a_graph():
+    head = torch.nn.Linear(4, 7, bias=False)
+    hidden = torch.randn(1, 2, 4, 4, requires_grad=True)
+    loss, stats = dflash_loss_from_hidden(hidden, head, torch.zeros(1, 2, 3, dtype=torch.long),
+                                          torch.zeros(1, 2, 3, dtype=torch.bool))
+    loss.backward()
+    assert loss.item() == 0.0 and stats["n_valid"] == 0 and hidden.grad is not None
