@@ -126,3 +126,17 @@ def test_a_failed_write_leaves_the_old_manifest_whole(tmp_path, monkeypatch):
         write_manifest(tmp_path, [make_entry(tmp_path, B, b"new")])
     assert (tmp_path / MANIFEST).read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [A, MANIFEST, B]
+
+
+def test_a_manifest_without_system_packages_still_reads(tmp_path):
+    """Manifests written before the distribution packages were recorded stay valid."""
+    import json
+
+    from wheelbuilder.manifest import WheelEntry
+
+    d = {"filename": "x.whl", "size": 1, "sha256": "0" * 64, "recipe": "r", "recipe_version": "1",
+         "source_url": "u", "source_sha256": "0" * 64, "target": "t", "arches": {"sass": [120], "ptx": []},
+         "toolchain": {"nvcc": "13.0.88", "torch": "2.11.0", "python": "3.11.2", "host_compiler": "gcc"},
+         "build_seconds": 1.0, "source_date_epoch": 0}
+    entry = WheelEntry.from_dict(json.loads(json.dumps(d)), "manifest.json")
+    assert entry.toolchain.system_packages == {}

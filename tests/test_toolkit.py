@@ -6,6 +6,8 @@ a CUDA 12.8 or 13.0 nvcc does, to exercise the version checks without a second t
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -98,3 +100,17 @@ def test_prepare_pip_cuda_home_makes_the_two_links(tmp_path):
     assert tk.prepare_pip_cuda_home(home) == ["lib64 -> lib", "lib/libcudart.so -> libcudart.so.13"]
     assert (home / "lib64" / "libcudart.so").exists()
     assert tk.prepare_pip_cuda_home(home) == []  # idempotent
+
+
+@pytest.mark.skipif(not shutil.which("dpkg-query") or not shutil.which("c++"), reason="needs dpkg and a C++ compiler")
+def test_system_packages_names_the_compiler_and_the_libc_headers_with_dpkgs_versions():
+    pkgs = tk.system_packages()
+    assert "libc6-dev" in pkgs and any(name.startswith("g++") for name in pkgs), pkgs
+    for name, version in pkgs.items():
+        out = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", name], capture_output=True, text=True)
+        assert out.stdout == version
+
+
+def test_system_packages_is_empty_without_dpkg(monkeypatch):
+    monkeypatch.setattr(tk.shutil, "which", lambda name: None if name == "dpkg-query" else "/usr/bin/" + name)
+    assert tk.system_packages() == {}

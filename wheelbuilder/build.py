@@ -21,7 +21,7 @@ from . import recipes as rcp
 from .cmd import echo, run
 from .errors import BuildError, BusyError
 from .targets import Recipe, Target
-from .toolkit import Toolchain, check_toolchain, plan_jobs
+from .toolkit import Toolchain, check_toolchain, plan_jobs, system_packages as distro_packages
 
 DEFAULT_BUILD_ROOT = Path("/tmp/wheelbuilder")
 
@@ -180,6 +180,7 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
     log_dir = log_dir or out_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     entries = []
+    system_packages = distro_packages()
     with exclusive(out_dir):
         for recipe in target.recipes:
             started = time.monotonic()
@@ -206,7 +207,8 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
                 final, recipe=recipe.name, recipe_version=recipe.version, source_url=recipe.url,
                 source_sha256=recipe.sha256, target=target.name, arches=report.arches,
                 toolchain=manifest.Toolchain(nvcc=str(toolchain.nvcc_version), torch=toolchain.torch_version,
-                                             python=platform.python_version(), host_compiler=toolchain.cxx),
+                                             python=platform.python_version(), host_compiler=toolchain.cxx,
+                                             system_packages=system_packages),
                 build_seconds=round(time.monotonic() - started, 1), source_date_epoch=plan.source_date_epoch)
             manifest.write_manifest(out_dir, [record])
             echo(f"wrote {final.name}  {final.stat().st_size / 1e6:.1f} MB  sha256 {wheel_sha256(final)}")

@@ -34,6 +34,8 @@ class Toolchain:
     torch: str  # "2.11.0"
     python: str  # "3.11.2"
     host_compiler: str  # "gcc 12.2.0"
+    # {package: version} of the compiler and headers from the distribution (toolkit.system_packages)
+    system_packages: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,37 @@ def cxx_version() -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
 
 
+def system_packages(cxx: str | None = None) -> dict[str, str]:
+    """{package: version} of the distribution packages whose files go into the objects besides nvcc's
+    and torch's: the C++ compiler proper, libstdc++'s and libc's headers, Python's headers. A wheel's
+    bytes depend on them, so the manifest records them. {} where there is no dpkg (not Debian/Ubuntu)."""
+    import sysconfig
+
+    cxx = cxx or os.environ.get("CXX", "c++")
+    if not shutil.which("dpkg-query") or not shutil.which(cxx):
+        return {}
+
+    def ask(*args: str) -> str:
+        out = subprocess.run([cxx, *args], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    probes = [ask("-print-prog-name=cc1plus"), ask("-print-file-name=libstdc++.so"), "/usr/include/stdio.h",
+              str(Path(sysconfig.get_paths()["include"]) / "Python.h")]
+    owners: set[str] = set()
+    for probe in filter(None, probes):
+        for path in dict.fromkeys([probe, os.path.realpath(probe)]):
+            out = subprocess.run(["dpkg-query", "-S", path], capture_output=True, text=True)
+            if out.returncode == 0:
+                # "libc6-dev:amd64: /usr/include/stdio.h" (several owners are comma-separated)
+                owners.update(p.strip().split(":")[0] for p in out.stdout.split(": ")[0].split(","))
+                break
+    if not owners:
+        return {}
+    out = subprocess.run(["dpkg-query", "-W", "-f", "${Package}\t${Version}\n", *sorted(owners)],
+                         capture_output=True, text=True)
+    return dict(line.split("\t", 1) for line in out.stdout.splitlines() if "\t" in line)
+
+
 def installed_torch() -> tuple[str, Version | None]:
     """(torch.__version__, torch.version.cuda) of this interpreter, without importing torch twice."""
     try:
