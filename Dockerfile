@@ -5,6 +5,9 @@
 #   DOCKER_BUILDKIT=1 docker build --network=host --secret id=ca,src=/etc/ssl/certs/ca-certificates.crt \
 #     --build-arg TARGET=cu130-sm120 --build-arg TORCH_LOCK=cu130 \
 #     --build-arg BUILDER_BASE=dflash-base:bookworm --target wheels --output type=local,dest=out .
+# and for the runtime image, with the wheels in dist/wheels/<target>/:
+#     ... --build-arg RUNTIME_BASE=dflash-base:bookworm --build-arg TORCH_ENV_FROM=runtime-os \
+#     --target runtime -t dflash-train:cu130-sm120 .
 # No `# syntax=` line on purpose: it makes BuildKit pull a frontend image, which offline hosts cannot.
 
 # Base images come from targets.toml ([toolkits.*].builder_base / runtime_base); these defaults are the
