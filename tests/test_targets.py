@@ -93,6 +93,17 @@ def test_arch_override_is_checked_against_the_toolkit():
         tg.with_arches(t, " , ")
 
 
+def test_python_override_changes_the_wheel_tag_and_nothing_else():
+    t = tg.load().target("cu130-sm90")
+    t312 = tg.with_python(t, "3.12")
+    assert (t.python, t.cp_tag) == ("3.11", "cp311")
+    assert (t312.python, t312.cp_tag) == ("3.12", "cp312")
+    assert (t312.name, t312.arches, t312.torch, t312.local_version()) == (t.name, t.arches, t.torch, t.local_version())
+    for bad, says in (("3", "major.minor"), ("py312", "major.minor"), ("3.8", "needs Python >= 3.10")):
+        with pytest.raises(ConfigurationError, match=says):
+            tg.with_python(t, bad)
+
+
 def test_cuda_major_mismatch_between_toolkit_and_torch(tmp_path):
     text = real_text().replace('[targets.cu130-sm90]\ndescription = "CUDA 13.0 from PyPI, torch 2.11.0, Python 3.11, Hopper (H100, H200)"\ntoolkit = "cuda-13_0-pypi"\ntorch = "cu130"',
                                '[targets.cu130-sm90]\ndescription = "x"\ntoolkit = "cuda-13_0-pypi"\ntorch = "cu128"')

@@ -6,6 +6,7 @@ a CUDA 12.8 or 13.0 nvcc does, to exercise the version checks without a second t
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,13 @@ def test_python_mismatch_names_the_interpreter(target):
     other = dataclasses.replace(target, toolkit=dataclasses.replace(target.toolkit, python="3.9"))
     with pytest.raises(ToolchainError, match=r"Python 3.9.*python3.9"):
         tk.check_toolchain(other)
+
+
+def test_missing_pip_is_named_before_the_build(target, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else real(name, *a))
+    with pytest.raises(ToolchainError, match=r"pip is not installed.*ensurepip.*--seed"):
+        tk.check_toolchain(target)
 
 
 def test_torch_mismatch_is_refused(target):

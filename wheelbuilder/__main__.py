@@ -1,7 +1,7 @@
 """`python -m wheelbuilder`: list targets, show a build plan, build natively, audit, regenerate locks.
 
     python -m wheelbuilder list
-    python -m wheelbuilder build --target cu130-sm120 [--arch 12.0] [--out DIR] [--dry-run]
+    python -m wheelbuilder build --target cu130-sm120 [--arch 12.0] [--python 3.12] [--out DIR] [--dry-run]
     python -m wheelbuilder audit --target cu130-sm120 dist/wheels/cu130-sm120/*.whl
     python -m wheelbuilder lock
     python -m wheelbuilder prepare-toolkit      (inside the builder stage: pip CUDA layout -> CUDA_HOME)
@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     b.add_argument("--target", default=None, help="target name from targets.toml (default: its default_target)")
     b.add_argument("--arch", default=None, help="override the target's arches, e.g. 9.0,12.0+PTX")
+    b.add_argument("--python", default=None,
+                   help="build for this CPython (e.g. 3.12) instead of the toolkit's; a native build runs under it")
     b.add_argument("--out", type=Path, default=None, help="output directory (default: dist/wheels/<target>)")
     b.add_argument("--build-dir", type=Path, default=Path("/tmp/wheelbuilder"),
                    help="fixed directory the sources are unpacked and compiled in (paths end up in the objects)")
@@ -40,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="audit built wheels against a target")
     a.add_argument("--target", default=None, help="target name (default: the default target)")
+    a.add_argument("--python", default=None, help="the CPython the wheels were built for (default: the toolkit's)")
     a.add_argument("wheels", nargs="+", type=Path, help="wheel files")
     a.add_argument("--json", action="store_true", help="print JSON")
 
@@ -84,6 +87,8 @@ def main_inner(argv: list[str] | None = None) -> int:
         target = catalog.target(args.target)
         if args.arch:
             target = tg.with_arches(target, args.arch)
+        if args.python:
+            target = tg.with_python(target, args.python)
         out = args.out or DIST / target.name
         build_target(target, out, build_root=args.build_dir, log_dir=args.log_dir, dry_run=args.dry_run)
         return 0
@@ -91,6 +96,8 @@ def main_inner(argv: list[str] | None = None) -> int:
         from .audit import audit_wheel
 
         target = catalog.target(args.target)
+        if args.python:
+            target = tg.with_python(target, args.python)
         reports = []
         for wheel in args.wheels:
             recipe = next((r for r in target.recipes if wheel.name.startswith(r.dist_name + "-")), None)

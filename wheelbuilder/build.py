@@ -21,7 +21,8 @@ from . import recipes as rcp
 from .cmd import echo, run
 from .errors import BuildError, BusyError
 from .targets import Recipe, Target
-from .toolkit import Toolchain, check_toolchain, plan_jobs, system_packages as distro_packages
+from .toolkit import Toolchain, check_toolchain, pip_cuda_home, plan_jobs, prepare_pip_cuda_home
+from .toolkit import system_packages as distro_packages
 
 DEFAULT_BUILD_ROOT = Path("/tmp/wheelbuilder")
 
@@ -173,6 +174,9 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
     echo(f"build plan for {target.name}:\n{plan.describe()}")
     if dry_run:
         return []
+    if toolchain.cuda_home == pip_cuda_home():  # NVIDIA's pip wheels: add the links cpp_extension needs
+        for made in prepare_pip_cuda_home(toolchain.cuda_home):
+            echo(f"prepared {toolchain.cuda_home}: {made}")
     from . import manifest
     from .audit import audit_wheel
     from .wheelfile import build_info, repack_deterministic, wheel_sha256

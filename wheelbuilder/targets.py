@@ -6,6 +6,7 @@ the toolkit's CUDA cannot compile) fails here, before anything is downloaded or 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
@@ -334,3 +335,14 @@ def with_arches(target: Target, arch_text: str) -> Target:
         raise ConfigurationError("--arch is empty; name at least one arch (e.g. 12.0).")
     check_arches_compilable(arches, target.toolkit.cuda, f"--arch {arch_text}")
     return Target(target.name, target.description, target.toolkit, target.torch, arches, target.recipes)
+
+
+def with_python(target: Target, python: str) -> Target:
+    """The same target for another CPython (`--python 3.12`): a native build for a machine whose
+    interpreter differs from the toolkit's (the image's) Python. The wheel's cp tag follows it."""
+    if not re.fullmatch(r"3\.\d{1,2}", python.strip()):
+        raise ConfigurationError(f"--python {python!r} is not a CPython version like 3.12; name major.minor.")
+    python = python.strip()
+    if Version(python) < Version("3.10"):
+        raise ConfigurationError(f"--python {python}: torch {target.torch.version} needs Python >= 3.10; name a newer one.")
+    return dataclasses.replace(target, toolkit=dataclasses.replace(target.toolkit, python=python))

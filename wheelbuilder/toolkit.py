@@ -155,6 +155,11 @@ def check_toolchain(target: Target, cuda_candidates: list[Path] | None = None) -
             f"target {target.name} builds for Python {target.python}, but this is Python {py} ({sys.executable}). "
             f"Run with python{target.python}, or use `make wheels TARGET={target.name}` (Docker)."
         )
+    if importlib.util.find_spec("pip") is None:
+        raise ToolchainError(
+            f"pip is not installed in {sys.executable}; the build runs `pip wheel`. Install it with "
+            f"`{sys.executable} -m ensurepip` (a venv made by `uv venv` needs `--seed`)."
+        )
     torch_version, torch_cuda = installed_torch()
     if Version(torch_version).public != target.torch.public or torch_cuda is None:
         raise ToolchainError(
