@@ -1,21 +1,34 @@
 """Drafter training benchmark: tokens/s of the real training loop, and where a step's time goes.
 
     python bench/bench_train.py                       demo target, then a larger random Qwen3.5 hybrid
-    python -m bench.bench_train --presets large --hidden 4096 --layers 32 --vocab 248320 --json out.json
+    python bench/bench_train.py --presets 27b --attention sdpa,flex --json out.json   (one H200)
+    python -m bench.bench_train --presets large --hidden 4096 --layers 32 --vocab 248320
 
-For each target:
+Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized by --hidden/--layers/
+--vocab), 27b (a random target of Qwen3.5-27B's exact shape: 64 layers, hidden 5120, 26.9B parameters,
+54 GB in bf16). For each target and each --attention implementation of the drafter:
   1. throughput: `dflash.train.train` itself runs --steps optimizer steps on synthetic sequences (the
      first --warmup steps are not counted); tokens/s counts the real (unpadded) sequence tokens;
   2. time split: the same step taken apart and timed phase by phase (CUDA synchronised before every
      clock read): target forward (context + block embeddings), drafter forward (+ head + loss),
-     drafter backward, optimizer step.
-The large target has random weights (speed does not depend on them). On a GPU the target runs in bf16
+     drafter backward, optimizer step;
+  3. model FLOPs utilisation (GPU): the step's model FLOPs (below) per second of the training loop,
+     over a bf16 matmul peak measured in the same run (8192^3 products on random data).
+Model FLOPs of one step (the useful work; recomputation and masked-out attention do not count):
+  target forward  2 x (decoder-layer parameters) x tokens + 4 x head_dim x heads x (causal query-key
+                  pairs) per full-attention layer (the GatedDeltaNet recurrences, under 1 %, are left out)
+  drafter         3 x forward: 2 x parameters x the rows each matrix sees (q/o/MLP: block rows; k/v:
+                  context + block rows; fc: context rows) + 4 x head_dim x heads x (visible query-key
+                  pairs of the drafter mask)
+  LM head         4 x hidden x vocab x scored rows (forward + input gradient; the head is frozen)
+The targets have random weights (speed does not depend on them). On a GPU the target runs in bf16
 with the drafter under bf16 autocast, as in training; on a CPU both run in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -32,14 +45,26 @@ import torch  # noqa: E402
 
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.losses import dflash_loss_from_hidden  # noqa: E402
+from dflash.masks import drafter_attention_mask  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
 from dflash.target import Target  # noqa: E402
-from dflash.train import anchor_seed, build_blocks, sample_anchors, train  # noqa: E402
+from dflash.train import anchor_seed, attention_impl, build_blocks, sample_anchors, train  # noqa: E402
+
+# Qwen3.5-27B's text model (shared/research: 64 layers, 3 GatedDeltaNet : 1 full attention).
+QWEN35_27B = dict(hidden=5120, layers=64, vocab=248320, intermediate=17408, heads=24, kv_heads=4, head_dim=256,
+                  linear_k_heads=16, linear_v_heads=48)
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop what the last variant left behind before the next one allocates (a 27B target leaves little)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def demo_target(device: torch.device, dtype: torch.dtype) -> Target:
@@ -48,26 +73,82 @@ def demo_target(device: torch.device, dtype: torch.dtype) -> Target:
     return Target.load(build_demo_target(progress=True), device=device, dtype=dtype)
 
 
-def large_target(args, device: torch.device, dtype: torch.dtype) -> Target:
+def mrope_sections(head_dim: int) -> list[int]:
+    """Three M-RoPE sections covering head_dim x 0.25 (partial rotary) / 2 frequencies: 256 -> [11, 11, 10]."""
+    base, extra = divmod(head_dim // 8, 3)
+    return [base + (i < extra) for i in range(3)]
+
+
+def large_target(args, device: torch.device, dtype: torch.dtype, shape: dict | None = None) -> Target:
     """A random Qwen3.5 hybrid (3 GatedDeltaNet : 1 full attention) of the given size, built on `device`."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    H, L = args.hidden, args.layers
+    H, L = (shape["hidden"], shape["layers"]) if shape else (args.hidden, args.layers)
+    s = shape or dict(hidden=H, layers=L, vocab=args.vocab, intermediate=3 * H, heads=max(1, H // 128),
+                      kv_heads=max(1, min(4, H // 128)), head_dim=128, linear_k_heads=max(1, H // 256),
+                      linear_v_heads=max(1, H // 128))
     config = Qwen3_5TextConfig(
-        vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=L,
+        vocab_size=s["vocab"], hidden_size=H, intermediate_size=s["intermediate"], num_hidden_layers=L,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)],
-        num_attention_heads=max(1, H // 128), num_key_value_heads=max(1, min(4, H // 128)), head_dim=128,
-        linear_num_key_heads=max(1, H // 256), linear_num_value_heads=max(1, H // 128),
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+        linear_num_key_heads=s["linear_k_heads"], linear_num_value_heads=s["linear_v_heads"],
         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                         "mrope_section": mrope_sections(s["head_dim"]),
+                         "mrope_interleaved": True},
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3_5ForCausalLM._from_config(config, dtype=dtype)
     tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1, mask_token_id=None)
     return Target(model, tokenizer, mask_token=2)
+
+
+def matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """bf16 TFLOP/s of n^3 matrix products on random data (median of `reps` after 3 warm-ups)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / statistics.median(samples) / 1e12
+
+
+def model_flops(target, dcfg: DrafterConfig, input_ids, attention_mask, blocks) -> dict:
+    """Model FLOPs of one micro-batch step, by part (formulas in the module docstring)."""
+    cfg = target.config
+    B, T = input_ids.shape
+    tokens = int(attention_mask.sum())
+    layer_params = sum(p.numel() for p in target._layers.parameters())
+    n_full = sum(1 for t in getattr(cfg, "layer_types", None) or ["full_attention"] * target.num_layers
+                 if t == "full_attention")
+    lengths = attention_mask.sum(1).double()
+    causal_pairs = float((lengths * (lengths + 1) / 2).sum())
+    head_dim = int(getattr(cfg, "head_dim", None) or target.hidden_size // cfg.num_attention_heads)
+    target_f = 2 * layer_params * tokens + 4 * head_dim * cfg.num_attention_heads * causal_pairs * n_full
+
+    H, bs = dcfg.hidden_size, dcfg.block_size
+    rows = int(blocks.anchor_valid.sum()) * bs
+    q_o_mlp = 2 * H * dcfg.num_heads * dcfg.head_dim + 3 * H * dcfg.intermediate_size
+    k_v = 2 * H * dcfg.num_kv_heads * dcfg.head_dim
+    mask = drafter_attention_mask(blocks.anchors, T, bs, attention_mask.bool(), blocks.anchor_valid)
+    valid_rows = blocks.anchor_valid.repeat_interleave(bs, dim=1)
+    pairs = float(mask[valid_rows].sum())
+    per_layer = 2 * q_o_mlp * rows + 2 * k_v * (tokens + rows) + 4 * dcfg.head_dim * dcfg.num_heads * pairs
+    drafter_f = 3 * (dcfg.num_layers * per_layer + 2 * len(dcfg.target_layer_ids) * H * H * tokens)
+    scored = int(blocks.label_valid.sum())
+    head_f = 4 * H * dcfg.vocab_size * scored
+    dense_pairs = rows * (T + blocks.anchors.shape[1] * bs)
+    return {"target_forward": target_f, "drafter": drafter_f, "lm_head": head_f,
+            "total": target_f + drafter_f + head_f, "tokens": tokens,
+            "drafter_mask_density": pairs / max(1, dense_pairs)}
 
 
 def synthetic_items(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -104,8 +185,8 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
     device = target.device
     amp_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.from_target(target, num_layers=cfg.drafter_layers,
-                                                block_size=cfg.block_size)).to(device)
+    dcfg = DrafterConfig.from_target(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size)
+    drafter = Drafter(dcfg, attention=attention_impl(cfg, device)).to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
     batch_items = items[: cfg.batch_size]
     batch = {k: v.to(device) for k, v in collate(batch_items, 0).items()}
@@ -143,49 +224,74 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
     med = {name: statistics.median(v) for name, v in phases.items()}
     total = sum(med.values())
     tokens = int(batch["attention_mask"].sum())
-    return {"step_s": total, "tokens_per_s": tokens / total,
+    flops = model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
+    drafter_params = sum(p.numel() for p in drafter.parameters())
+    del drafter, opt, hidden, loss, context, embeds
+    free_memory(device)
+    return {"step_s": total, "tokens_per_s": tokens / total, "model_flops": flops,
             "share": {name: round(v / total, 3) for name, v in med.items()},
             "seconds": {name: round(v, 5) for name, v in med.items()},
-            "drafter_params": sum(p.numel() for p in drafter.parameters()), "anchors": int(blocks.anchor_valid.sum())}
+            "drafter_params": drafter_params, "anchors": int(blocks.anchor_valid.sum())}
 
 
-def bench_one(name: str, target, args, device) -> dict:
-    seq = args.seq_len if name == "large" else min(args.seq_len, 256)
+def bench_one(name: str, target, args, device, attention: str, peak: float | None) -> dict:
+    seq = min(args.seq_len, 256) if name == "demo" else args.seq_len
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as out:
-        return _bench_in(name, target, args, device, seq, out)
+        row = _bench_in(name, target, args, device, seq, out, attention)
+    free_memory(device)
+    if peak:
+        flops = row["split"]["model_flops"]
+        step_s = flops["tokens"] / row["loop"]["tokens_per_s"]  # seconds per micro-batch in the real loop
+        row["peak_tflops"] = peak
+        row["model_tflops_per_s"] = flops["total"] / step_s / 1e12
+        row["mfu"] = row["model_tflops_per_s"] / peak
+    return row
 
 
-def _bench_in(name: str, target, args, device, seq: int, out: str) -> dict:
+def _bench_in(name: str, target, args, device, seq: int, out: str, attention: str) -> dict:
     cfg = TrainConfig(
         out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
         max_length=max(seq, 2 * args.block_size), max_tokens=max(seq, 2 * args.block_size) * args.batch_size,
         batch_size=args.batch_size, max_anchors=args.anchors, max_steps=args.steps + args.warmup, epochs=0,
-        save_every=0, log_every=10**6, progress=False, device=str(device),
+        save_every=0, log_every=10**6, progress=False, device=str(device), attention=attention,
     )
     items = synthetic_items(args.batch_size * (args.steps + args.warmup), seq, target.vocab_size)
     row = {"target": name, "device": str(device), "target_params": sum(p.numel() for p in target.model.parameters()),
            "hidden": target.hidden_size, "layers": target.num_layers, "vocab": target.vocab_size,
            "seq_len": seq, "batch_size": args.batch_size, "anchors": args.anchors, "block_size": args.block_size,
-           "kernels": target.kernel_report()}
+           "attention": attention_impl(cfg, device), "kernels": target.kernel_report()}
     row["loop"] = throughput(target, items, cfg, args.warmup)
     row["split"] = time_split(target, items, cfg, args.reps)
     return row
 
 
 def report(rows: list[dict]) -> str:
-    lines = [f"{'target':<8} {'params':>8} {'seq x B':>9} {'anchors':>7} {'loop tok/s':>11} "
-             f"{'target fwd':>10} {'drafter fwd':>11} {'drafter bwd':>11} {'optim':>6}"]
+    lines = [f"{'target':<6} {'attn':<5} {'params':>8} {'seq x B':>9} {'anchors':>7} {'loop tok/s':>11} "
+             f"{'target fwd':>10} {'drafter fwd':>11} {'drafter bwd':>11} {'optim':>6} {'MFU':>6}"]
     for r in rows:
         s = r["split"]["share"]
-        lines.append(f"{r['target']:<8} {r['target_params'] / 1e6:>7.1f}M {r['seq_len']:>5} x {r['batch_size']:<2}"
-                     f" {r['split']['anchors']:>7} {r['loop']['tokens_per_s']:>11.0f} {s['target forward']:>10.1%}"
-                     f" {s['drafter forward']:>11.1%} {s['drafter backward']:>11.1%} {s['optimizer step']:>6.1%}")
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+        lines.append(f"{r['target']:<6} {r['attention']:<5} {r['target_params'] / 1e6:>7.0f}M {r['seq_len']:>5} x "
+                     f"{r['batch_size']:<2} {r['split']['anchors']:>7} {r['loop']['tokens_per_s']:>11.0f} "
+                     f"{s['target forward']:>10.1%} {s['drafter forward']:>11.1%} {s['drafter backward']:>11.1%} "
+                     f"{s['optimizer step']:>6.1%} {mfu:>6}")
+    if rows and "peak_tflops" in rows[0]:
+        lines.append(f"bf16 matmul peak measured in this run: {rows[0]['peak_tflops']:.0f} TFLOP/s")
+    by_target: dict[str, dict] = {}
+    for r in rows:
+        by_target.setdefault(r["target"], {})[r["attention"]] = r
+    for name, runs in by_target.items():
+        if {"sdpa", "flex"} <= runs.keys():
+            a, b = runs["sdpa"], runs["flex"]
+            lines.append(f"{name}: flex/sdpa loop tokens/s {b['loop']['tokens_per_s'] / a['loop']['tokens_per_s']:.2f}x, "
+                         f"drafter fwd+bwd {(a['split']['seconds']['drafter forward'] + a['split']['seconds']['drafter backward']) / (b['split']['seconds']['drafter forward'] + b['split']['seconds']['drafter backward']):.2f}x faster")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--presets", default="demo,large", help="comma list of: demo, large")
+    p.add_argument("--presets", default="demo,large", help="comma list of: demo, large, 27b")
+    p.add_argument("--attention", default="auto", help="comma list of drafter attentions to compare: auto, sdpa, flex")
     p.add_argument("--device", default="auto", help="'auto' (cuda if there), 'cpu', 'cuda'")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default: 20 on GPU, 3 on CPU)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
@@ -207,16 +313,31 @@ def main(argv=None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, on_gpu if gpu else on_cpu)
     dtype = torch.bfloat16 if gpu else torch.float32
+    presets = [s.strip() for s in args.presets.split(",") if s.strip()]
+    attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
+    for name in presets:
+        if name not in ("demo", "large", "27b"):
+            p.error(f"unknown preset '{name}'; choose from demo, large, 27b")
+    for a in attentions:
+        if a not in ("auto", "sdpa", "flex"):
+            p.error(f"unknown attention '{a}'; choose from auto, sdpa, flex")
+    peak = matmul_peak(device) if gpu else None
+    if peak:
+        print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
     rows = []
-    for name in [s.strip() for s in args.presets.split(",") if s.strip()]:
-        if name not in ("demo", "large"):
-            p.error(f"unknown preset '{name}'; choose from demo, large")
-        target = demo_target(device, dtype) if name == "demo" else large_target(args, device, dtype)
-        rows.append(bench_one(name, target, args, device))
-        print(json.dumps(rows[-1], default=str), flush=True)
+    for name in presets:
+        target = (demo_target(device, dtype) if name == "demo" else
+                  large_target(args, device, dtype, QWEN35_27B if name == "27b" else None))
+        for attention in attentions:
+            try:
+                rows.append(bench_one(name, target, args, device, attention, peak))
+            except Exception as e:  # one failing variant must not lose the others' figures
+                print(json.dumps({"target": name, "attention": attention, "error": f"{type(e).__name__}: {e}"}), flush=True)
+                free_memory(device)
+                continue
+            print(json.dumps(rows[-1], default=str), flush=True)
         del target
-        if gpu:
-            torch.cuda.empty_cache()
+        free_memory(device)
     print("\n" + report(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str) + "\n")

@@ -68,6 +68,9 @@ class TrainConfig:
     device: str = _opt("auto", "'auto' (cuda:LOCAL_RANK if a GPU is there, else cpu), 'cpu', 'cuda', 'cuda:N'")
     precision: str = _opt("auto", "'auto' (bf16 autocast on GPU, fp32 on CPU), 'bf16' or 'fp32'",
                           choices=("auto", "bf16", "fp32"))
+    attention: str = _opt("auto", "drafter attention: 'flex' (block-sparse flex_attention, compiled to Triton; "
+                          "skips masked tiles), 'sdpa' (dense masked SDPA), 'auto' (flex on GPU, sdpa on CPU)",
+                          choices=("auto", "flex", "sdpa"))
     cpu_threads: int = _opt(0, "threads for CPU tensor ops (0: torch's default); 1 avoids oversubscription on a busy machine")
     log_every: int = _opt(10, "log loss, accuracy and tokens/s every this many optimizer steps")
     save_every: int = _opt(500, "write a checkpoint every this many optimizer steps (0: only at the end)")

@@ -11,6 +11,13 @@ embeddings, and `target.lm_head(drafter(...))` gives the logits. What it adds is
 
 RoPE positions: context position j sits at j; token k of the block anchored at a sits at a+k, so a block
 "continues" the context exactly where the target would.
+
+Attention runs one of two ways over the same mask (`Drafter(config, attention=...)`):
+  sdpa  the dense boolean mask [B,1,Q,T+Q] through F.scaled_dot_product_attention: every query pays for
+        all T+Q keys, although a block sees only the context before its anchor and its own bs tokens;
+  flex  the mask as a flex_attention BlockMask (128x128 tiles; tiles with nothing visible are skipped)
+        and flex_attention compiled to Triton kernels, GQA without expanding K/V. On a GPU this skips
+        most of the work (README "Performance"); on a CPU it runs flex's eager reference (tests only).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dflash.masks import drafter_attention_mask
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT = "dflash-drafter/1"
+ATTENTION = ("sdpa", "flex")
 
 
 @dataclass(kw_only=True)
@@ -136,6 +144,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+_compiled_flex = None
+
+
+def flex_attention_fn(device: torch.device):
+    """flex_attention, compiled for CUDA (eager flex is a dense reference, only fit for tests)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        # dynamic=None: the first shape compiles static kernels, a second shape one dynamic set, so
+        # batches of varying length do not recompile every step.
+        _compiled_flex = torch.compile(flex_attention, dynamic=None)
+    return _compiled_flex
+
+
+def flex_block_mask(mask: torch.Tensor):
+    """A dense [B,Q,KV] boolean mask (True = may attend) as a flex_attention BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, Q, KV = mask.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask[b, q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, B, None, Q, KV, device=mask.device)
+
+
 class DrafterAttention(nn.Module):
     """GQA attention: queries from the block, keys/values from concat(context features, block)."""
 
@@ -154,16 +191,22 @@ class DrafterAttention(nn.Module):
         return x.view(B, L, n, self.c.head_dim).transpose(1, 2)                 # [B,n,L,hd]
 
     def forward(self, x, ctx, rope_q, rope_kv, mask) -> torch.Tensor:
-        """x [B,Q,H], ctx [B,T,H], rope_q/rope_kv (cos, sin) for Q / T+Q positions, mask [B,1,Q,T+Q] -> [B,Q,H]."""
+        """x [B,Q,H], ctx [B,T,H], rope_q/rope_kv (cos, sin) for Q / T+Q positions, mask [B,1,Q,T+Q]
+        (boolean, for SDPA) or a flex BlockMask -> [B,Q,H]."""
         c = self.c
         kv_in = torch.cat([ctx, x], dim=1)                                      # [B,T+Q,H]
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), *rope_q)
         k = apply_rope(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), *rope_kv)
         v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
         groups = c.num_heads // c.num_kv_heads
-        # Expanded K/V instead of enable_gqa: every SDPA backend takes a boolean mask this way.
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)           # [B,h,Q,hd]
+        if isinstance(mask, torch.Tensor):
+            # Expanded K/V instead of enable_gqa: every SDPA backend takes a boolean mask this way.
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)       # [B,h,Q,hd]
+        else:
+            # flex_attention is no autocast op: give it one dtype (the projections' autocast dtype).
+            q, k = q.to(v.dtype), k.to(v.dtype)
+            out = flex_attention_fn(q.device)(q, k, v, block_mask=mask, enable_gqa=groups > 1)
         B, _, Q, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, c.num_heads * c.head_dim))
 
@@ -189,9 +232,12 @@ class DrafterLayer(nn.Module):
 class Drafter(nn.Module):
     """fc + RMSNorm over the tapped target states, `num_layers` DrafterLayers, a final RMSNorm."""
 
-    def __init__(self, config: DrafterConfig):
+    def __init__(self, config: DrafterConfig, attention: str = "sdpa"):
         super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
         self.config = config
+        self.attention = attention  # how, not what: not part of the checkpoint
         c = config
         self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -233,7 +279,8 @@ class Drafter(nn.Module):
         ctx_pos = torch.arange(T, device=anchors.device).expand(B, T)
         rope_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, x.dtype)
         rope_kv = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), c.head_dim, c.rope_theta, x.dtype)
-        mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid).unsqueeze(1)
+        mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid)
+        mask = flex_block_mask(mask) if self.attention == "flex" else mask.unsqueeze(1)
 
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_kv, mask)

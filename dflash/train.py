@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import TrainConfig, atomic_write_text
+from .config import ConfigError, TrainConfig, atomic_write_text
 from .losses import LOSS_CHUNK_ROWS
 
 log = logging.getLogger("dflash.train")
@@ -213,6 +213,16 @@ class _DataOrder:
         return {"epoch": self.epoch, "batch_index": self.index}
 
 
+def attention_impl(config: TrainConfig, device: torch.device) -> str:
+    """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere."""
+    if config.attention == "flex" and device.type != "cuda":
+        raise ConfigError(f"--attention flex needs a GPU: flex_attention has no backward on {device.type}; "
+                          "use --attention sdpa (or auto, which picks sdpa there).")
+    if config.attention != "auto":
+        return config.attention
+    return "flex" if device.type == "cuda" else "sdpa"
+
+
 def _precision(config: TrainConfig, device: torch.device) -> torch.dtype:
     if config.precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -247,7 +257,7 @@ class Trainer:
         overrides = dict(num_layers=config.drafter_layers, block_size=config.block_size)
         self.drafter_config = DrafterConfig.from_target(target, **overrides)
         torch.manual_seed(config.seed)  # the same initial drafter on every rank and on every rerun
-        self.drafter = Drafter(self.drafter_config).to(d.device)
+        self.drafter = Drafter(self.drafter_config, attention=attention_impl(config, d.device)).to(d.device)
         self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
             if d.enabled else self.drafter
         self.weights = position_weights(config.block_size, config.gamma).to(d.device)
@@ -525,6 +535,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     setup_logging(config.out_dir, d.is_main)
     stop = StopFlag().install() if handle_signals else StopFlag()
     try:
+        attention_impl(config, d.device)  # a bad --attention fails before the target loads
         if target is None:
             target = load_target(config, d.device)
         if items is None:
@@ -534,8 +545,9 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
         trainer = Trainer(config, target, items, d, stop, on_step)
         if config.resume:
             trainer.restore()
-        log.info("training %d steps on %d sequences, world size %d, device %s, %s", trainer.total_steps,
-                 len(items), d.world_size, d.device, trainer.autocast_dtype)
+        log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",
+                 trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
+                 trainer.drafter.attention)
         return trainer.run()
     finally:
         stop.uninstall()

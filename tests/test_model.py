@@ -136,3 +136,56 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no drafter"):
         Drafter.from_pretrained(tmp_path)
+
+
+def flex_case(device="cpu", B=2, T=150, N=40):
+    """Inputs long enough for several 128-wide flex tiles, with padding and invalid anchors."""
+    g = torch.Generator().manual_seed(1)
+    context = torch.randn(B, T, K * H, generator=g)
+    blocks = torch.randn(B, N * BS, H, generator=g)
+    anchors = torch.sort(torch.randint(0, T - BS, (B, N), generator=g), dim=1).values
+    context_valid = torch.ones(B, T, dtype=torch.bool)
+    context_valid[1, 120:] = False                      # the second sequence is padded
+    anchor_valid = torch.ones(B, N, dtype=torch.bool)
+    anchor_valid[1, -5:] = False                        # and has fewer anchors
+    weight = torch.randn(B, N * BS, H, generator=g)
+    return [t.to(device) for t in (context, blocks, anchors, context_valid, anchor_valid, weight)]
+
+
+def sdpa_and_flex(device="cpu"):
+    torch.manual_seed(0)
+    sdpa = Drafter(tiny_config()).to(device)
+    flex = Drafter(tiny_config(), attention="flex").to(device)
+    flex.load_state_dict(sdpa.state_dict())
+    return sdpa, flex
+
+
+def test_flex_attention_equals_sdpa():
+    """The block-sparse flex path computes the same function as the dense SDPA path, padding and
+    invalid anchors included (flex's eager reference here; it has no CPU backward, so the gradients
+    are compared on a GPU in test_gpu.py)."""
+    sdpa, flex = sdpa_and_flex()
+    *args, _ = flex_case()
+    with torch.no_grad():
+        torch.testing.assert_close(flex(*args), sdpa(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_attention_is_named():
+    with pytest.raises(ValueError, match="attention must be one of sdpa, flex"):
+        Drafter(tiny_config(), attention="flash")
+
+
+@pytest.mark.gpu
+def test_compiled_flex_equals_sdpa_outputs_and_gradients_on_the_gpu():
+    """The compiled flex kernels (what training runs on a GPU) against dense SDPA, forward and backward."""
+    sdpa, flex = sdpa_and_flex("cuda")
+    *args, weight = flex_case("cuda")
+    results = []
+    for model in (sdpa, flex):
+        out = model(*args)
+        (out * weight).sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out_s, grads_s), (out_f, grads_f) = results
+    torch.testing.assert_close(out_f, out_s, rtol=1e-3, atol=1e-4)
+    for name, grad in grads_s.items():
+        torch.testing.assert_close(grads_f[name], grad, rtol=1e-2, atol=1e-4, msg=name)

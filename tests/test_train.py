@@ -215,3 +215,15 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
     with pytest.raises(TrainError, match="out of memory.*--max-anchors \\(now 4096\\).*--max-tokens.*--batch-size"):
         train(cfg, target=target, items=items, handle_signals=False)
     torch.cuda.empty_cache()
+
+
+def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
+    from dflash.config import ConfigError, TrainConfig
+    from dflash.train import attention_impl
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention_impl(TrainConfig(out=str(tmp_path)), cpu) == "sdpa"
+    assert attention_impl(TrainConfig(out=str(tmp_path)), cuda) == "flex"
+    assert attention_impl(TrainConfig(out=str(tmp_path), attention="sdpa"), cuda) == "sdpa"
+    with pytest.raises(ConfigError, match="--attention flex needs a GPU.*--attention sdpa"):
+        attention_impl(TrainConfig(out=str(tmp_path), attention="flex"), cpu)

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The GPU evidence of README "Performance", in one run on a machine with an NVIDIA GPU and a Python that
+# has torch 2.11 (no compiler, no network needed):
+#
+#   bench/gpu_check.sh OUT WHEEL_DIR [WHEELHOUSE]
+#
+#   WHEEL_DIR   a folder written by wheelbuilder (the wheels + manifest.json), e.g. dist/wheels/cu130-sm90,
+#               built on a CPU machine: python -m wheelbuilder build --target cu130-sm90 --python 3.12
+#   WHEELHOUSE  wheels of the runtime lock the machine lacks (fla, transformers, pyelftools, ...), e.g. from
+#               pip download --no-deps --require-hashes -r <filtered locks/cu130/runtime.txt>
+#
+# Steps (each under its own time limit; a failed step is reported and the next one still runs):
+#   1. wheelbuilder verify (sha256 against the manifest), audit (SASS arches from the ELF) vs the GPU's
+#      compute capability; install the wheels into a private prefix (nothing system-wide changes)
+#   2. dflash doctor --json                               -> OUT/doctor.json           (must pass)
+#   3. the same with causal-conv1d removed                -> OUT/doctor-no-conv1d.json (must fail, naming the check)
+#   4. bench/bench_kernels.py                             -> OUT/kernels.json
+#   5. bench/bench_train.py --presets 27b, sdpa vs flex   -> OUT/train-27b.json
+#   6. the GPU test tier (pytest -m gpu)
+# Everything printed also goes to OUT/gpu_check.log.
+set -uo pipefail
+
+OUT=${1:?usage: bench/gpu_check.sh OUT WHEEL_DIR [WHEELHOUSE]}
+WHEELS=${2:?usage: bench/gpu_check.sh OUT WHEEL_DIR [WHEELHOUSE]}
+HOUSE=${3:-}
+PY=${PYTHON:-python3}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PREFIX=${DFLASH_GPU_PREFIX:-/tmp/dflash-gpu-check}
+TRAIN_ARGS=${TRAIN_ARGS:---steps 6 --warmup 2 --reps 3}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PREFIX:$REPO"
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...: run, time, record failure without stopping
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    local t0=$SECONDS
+    timeout "$limit" "$@"
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0))s"
+    [ $rc -eq 0 ] || failed+=("$name ($rc)")
+    return $rc
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
+"$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))'
+
+# 1. the wheelhouse (pyelftools & co. the audit needs), then the wheel: verify, audit against the GPU, install
+rm -rf "$PREFIX" && mkdir -p "$PREFIX"
+if [ -n "$HOUSE" ]; then
+    step wheelhouse 120 "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$PREFIX" "$HOUSE"/*.whl || exit 1
+fi
+step verify 60 "$PY" -m wheelbuilder verify --dir "$WHEELS" || exit 1
+manifest_target=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["wheels"][0]["target"])' "$WHEELS/manifest.json")
+pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+step audit 60 "$PY" -m wheelbuilder audit --json --target "$manifest_target" --python "$pyver" "$WHEELS"/*.whl \
+    > "$OUT/audit.json" || exit 1
+"$PY" - "$OUT/audit.json" <<'PYEOF'
+import json, sys, torch
+audit = json.load(open(sys.argv[1]))
+major, minor = torch.cuda.get_device_capability(0)
+have = sorted({a for w in audit for a in w["arches"]["sass"]})
+print(f"audit: SASS for {have}; GPU 0 is sm_{major}{minor}:", "covered" if major * 10 + minor in have else "NOT covered")
+PYEOF
+step install 60 "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$PREFIX" "$WHEELS"/*.whl || exit 1
+
+# 2-3. the doctor, then the doctor without causal-conv1d
+summary() {
+    "$PY" - "$1" <<'PYEOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+for c in report["checks"]:
+    print(f"  {c['status']:<5} {c['name']:<10} {c['reason']}")
+PYEOF
+}
+step doctor 120 "$PY" -m dflash.cli doctor --json --require-gpu > "$OUT/doctor.json"
+summary "$OUT/doctor.json"
+mkdir -p "$PREFIX.removed" && mv "$PREFIX"/causal_conv1d* "$PREFIX.removed"/
+echo "=== doctor without causal-conv1d (must fail)"
+timeout 120 "$PY" -m dflash.cli doctor --json --require-gpu > "$OUT/doctor-no-conv1d.json"
+rc=$?
+echo "=== doctor without causal-conv1d: exit $rc"
+[ $rc -ne 0 ] || failed+=("doctor-no-conv1d (passed although the extension is gone)")
+summary "$OUT/doctor-no-conv1d.json"
+mv "$PREFIX.removed"/* "$PREFIX"/ && rmdir "$PREFIX.removed"
+
+# 4-6. benchmarks and the GPU tests
+step kernels 150 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
+# shellcheck disable=SC2086
+step train-27b 300 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
+    --json "$OUT/train-27b.json"
+step pytest-gpu 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests"
+
+echo "=== done $(date -u +%H:%M:%S); failed steps: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]
