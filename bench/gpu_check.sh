@@ -87,11 +87,11 @@ summary "$OUT/doctor-no-conv1d.json"
 mv "$PREFIX.removed"/* "$PREFIX"/ && rmdir "$PREFIX.removed"
 
 # 4-6. benchmarks and the GPU tests
-step kernels 150 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
+step kernels 120 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
 # shellcheck disable=SC2086
-step train-27b 300 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
+step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
     --json "$OUT/train-27b.json"
-step pytest-gpu 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests"
+step pytest-gpu 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests"
 
 echo "=== done $(date -u +%H:%M:%S); failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]
