@@ -186,7 +186,7 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
     amp_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     dcfg = DrafterConfig.from_target(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size)
-    drafter = Drafter(dcfg, attention=attention_impl(cfg, device)).to(device)
+    drafter = Drafter(dcfg, attention=attention_impl(cfg, device, dcfg.head_dim)).to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
     batch_items = items[: cfg.batch_size]
     batch = {k: v.to(device) for k, v in collate(batch_items, 0).items()}
@@ -259,7 +259,7 @@ def _bench_in(name: str, target, args, device, seq: int, out: str, attention: st
     row = {"target": name, "device": str(device), "target_params": sum(p.numel() for p in target.model.parameters()),
            "hidden": target.hidden_size, "layers": target.num_layers, "vocab": target.vocab_size,
            "seq_len": seq, "batch_size": args.batch_size, "anchors": args.anchors, "block_size": args.block_size,
-           "attention": attention_impl(cfg, device), "kernels": target.kernel_report()}
+           "attention": attention_impl(cfg, device, getattr(target.config, "head_dim", None)), "kernels": target.kernel_report()}
     row["loop"] = throughput(target, items, cfg, args.warmup)
     row["split"] = time_split(target, items, cfg, args.reps)
     return row

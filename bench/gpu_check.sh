@@ -14,9 +14,9 @@
 #      compute capability; install the wheels into a private prefix (nothing system-wide changes)
 #   2. dflash doctor --json                               -> OUT/doctor.json           (must pass)
 #   3. the same with causal-conv1d removed                -> OUT/doctor-no-conv1d.json (must fail, naming the check)
-#   4. bench/bench_kernels.py                             -> OUT/kernels.json
-#   5. bench/bench_train.py --presets 27b, sdpa vs flex   -> OUT/train-27b.json
-#   6. the GPU test tier (pytest -m gpu)
+#   4. the GPU test tier (pytest -m gpu over the test files that have GPU tests)
+#   5. bench/bench_kernels.py                             -> OUT/kernels.json
+#   6. bench/bench_train.py --presets 27b, sdpa vs flex   -> OUT/train-27b.json
 # Everything printed also goes to OUT/gpu_check.log.
 set -uo pipefail
 
@@ -35,11 +35,11 @@ failed=()
 step() {  # step NAME SECONDS COMMAND...: run, time, record failure without stopping
     local name=$1 limit=$2
     shift 2
-    echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)" >&2
     local t0=$SECONDS
     timeout "$limit" "$@"
     local rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - t0))s"
+    echo "=== $name: exit $rc after $((SECONDS - t0))s" >&2
     [ $rc -eq 0 ] || failed+=("$name ($rc)")
     return $rc
 }
@@ -86,12 +86,13 @@ echo "=== doctor without causal-conv1d: exit $rc"
 summary "$OUT/doctor-no-conv1d.json"
 mv "$PREFIX.removed"/* "$PREFIX"/ && rmdir "$PREFIX.removed"
 
-# 4-6. benchmarks and the GPU tests
-step kernels 120 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
+# 4-6. the GPU tests, then the benchmarks
+# shellcheck disable=SC2046
+step pytest-gpu 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" "$REPO"/tests/test_*.py)
+step kernels 100 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
 # shellcheck disable=SC2086
 step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
     --json "$OUT/train-27b.json"
-step pytest-gpu 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider "$REPO/tests"
 
 echo "=== done $(date -u +%H:%M:%S); failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]

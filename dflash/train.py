@@ -213,14 +213,22 @@ class _DataOrder:
         return {"epoch": self.epoch, "batch_index": self.index}
 
 
-def attention_impl(config: TrainConfig, device: torch.device) -> str:
-    """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere."""
+FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels refuse narrower heads
+
+
+def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | None = None) -> str:
+    """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere
+    and for heads narrower than flex's kernels take."""
     if config.attention == "flex" and device.type != "cuda":
         raise ConfigError(f"--attention flex needs a GPU: flex_attention has no backward on {device.type}; "
                           "use --attention sdpa (or auto, which picks sdpa there).")
+    if config.attention == "flex" and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ConfigError(f"--attention flex needs head_dim >= {FLEX_MIN_HEAD_DIM} (flex_attention's kernels), but "
+                          f"the drafter's heads are {head_dim} wide; use --attention sdpa (or auto).")
     if config.attention != "auto":
         return config.attention
-    return "flex" if device.type == "cuda" else "sdpa"
+    wide_enough = head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM
+    return "flex" if device.type == "cuda" and wide_enough else "sdpa"
 
 
 def _precision(config: TrainConfig, device: torch.device) -> torch.dtype:
@@ -257,7 +265,8 @@ class Trainer:
         overrides = dict(num_layers=config.drafter_layers, block_size=config.block_size)
         self.drafter_config = DrafterConfig.from_target(target, **overrides)
         torch.manual_seed(config.seed)  # the same initial drafter on every rank and on every rerun
-        self.drafter = Drafter(self.drafter_config, attention=attention_impl(config, d.device)).to(d.device)
+        attention = attention_impl(config, d.device, self.drafter_config.head_dim)
+        self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
         self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
             if d.enabled else self.drafter
         self.weights = position_weights(config.block_size, config.gamma).to(d.device)

@@ -154,8 +154,9 @@ def flex_case(device="cpu", B=2, T=150, N=40):
 
 def sdpa_and_flex(device="cpu"):
     torch.manual_seed(0)
-    sdpa = Drafter(tiny_config()).to(device)
-    flex = Drafter(tiny_config(), attention="flex").to(device)
+    config = tiny_config(head_dim=16)  # flex's compiled kernels need heads >= 16 wide
+    sdpa = Drafter(config).to(device)
+    flex = Drafter(config, attention="flex").to(device)
     flex.load_state_dict(sdpa.state_dict())
     return sdpa, flex
 

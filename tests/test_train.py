@@ -227,3 +227,6 @@ def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
     assert attention_impl(TrainConfig(out=str(tmp_path), attention="sdpa"), cuda) == "sdpa"
     with pytest.raises(ConfigError, match="--attention flex needs a GPU.*--attention sdpa"):
         attention_impl(TrainConfig(out=str(tmp_path), attention="flex"), cpu)
+    assert attention_impl(TrainConfig(out=str(tmp_path)), cuda, head_dim=8) == "sdpa"  # too narrow for flex
+    with pytest.raises(ConfigError, match="head_dim >= 16.*8 wide"):
+        attention_impl(TrainConfig(out=str(tmp_path), attention="flex"), cuda, head_dim=8)
