@@ -11,7 +11,7 @@ CTID    ?=
 PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-train bench-loss bench-image bench-push push clean
+.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-kernels bench-train bench-loss bench-image bench-push push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -51,6 +51,9 @@ bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
 
+bench-kernels: venv  ## GatedDeltaNet kernels vs their torch fallbacks; a Qwen3.5-27B layer stack fast vs fla-only vs fallbacks
+	$(PY) bench/bench_kernels.py
+
 bench-loss: venv  ## the full-logits loss vs the chunked LM head: step time and peak GPU memory
 	$(PY) bench/bench_loss.py
 
@@ -60,7 +63,7 @@ bench-image: engine  ## runtime vs builder image size, doctor wall time, contain
 bench-push: engine  ## export time, template size and SSH transfer throughput over loopback
 	$(PY) bench/bench_push.py
 
-bench: bench-build bench-train bench-loss bench-image bench-push  ## all benchmarks
+bench: bench-build bench-kernels bench-train bench-loss bench-image bench-push  ## all benchmarks
 
 push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS=--dry-run]
 	@test -n "$(HOST)" -a -n "$(CTID)" || { echo 'usage: make push HOST=root@pve CTID=200 [TARGET=...] [PUSH_ARGS=--dry-run]'; exit 2; }
