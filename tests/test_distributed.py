@@ -61,3 +61,45 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     w2 = load_file(str(outs[2] / "drafter" / "model.safetensors"))
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # one torchrun launch of 2 processes, then an in-process resume
+def test_a_two_process_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
+    """Checkpoint and resume across ranks: 2 gloo processes run 4 steps, checkpointing at 2 and 4. A copy
+    of that run cut back to its step-2 checkpoint is resumed (here by one process: the data order and the
+    anchors follow the global batch, not the world size) and lands on the same losses and weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dflash import checkpoint as ckpt
+    from dflash.cli import train_main
+
+    target = save_chat_target(tmp_path / "target")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=20)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_HEARTBEAT": str(tmp_path / "heartbeat")}
+    two, split = tmp_path / "two", tmp_path / "split"
+    opts = dict(max_steps=4, batch_size=4, grad_accum=2, save_every=2)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "dflash.cli", "train", *train_args(target, data, two, **opts)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert ckpt.read_latest(two / "checkpoints") == ckpt.step_dir_name(4)
+
+    shutil.copytree(two, split)  # the same run, as if it had stopped right after its step-2 checkpoint
+    shutil.rmtree(split / "checkpoints" / ckpt.step_dir_name(4))
+    shutil.rmtree(split / "drafter")
+    (split / "checkpoints" / "latest").write_text(ckpt.step_dir_name(2) + "\n")
+    lines = (split / "metrics.jsonl").read_text().splitlines()
+    (split / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+
+    assert train_main(train_args(target, data, split, **opts) + ["--resume"]) == 0
+    straight, resumed = read_metrics(two), read_metrics(split)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["tokens"] == a["tokens"] and b["anchors"] == a["anchors"]
+    w1 = load_file(str(two / "drafter" / "model.safetensors"))
+    w2 = load_file(str(split / "drafter" / "model.safetensors"))
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6)
