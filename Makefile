@@ -11,7 +11,7 @@ CTID    ?=
 PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-kernels bench-train bench-loss bench-image bench-push push clean
+.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-image bench-push push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -50,6 +50,9 @@ bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a
 
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
+
+bench-scaling: venv  ## multi-GPU: the training loop under torchrun on 1 and N processes (efficiency, same-loss check)
+	$(PY) bench/bench_scaling.py
 
 bench-kernels: venv  ## GatedDeltaNet kernels vs their torch fallbacks; a Qwen3.5-27B layer stack fast vs fla-only vs fallbacks
 	$(PY) bench/bench_kernels.py

@@ -31,6 +31,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -175,7 +176,7 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
     seconds = timed[-1][0] - stamps[warmup - 1][0] if warmup else timed[-1][0] - timed[0][0]
     tokens = sum(t for _, t in (timed if warmup else timed[1:]))
     return {"tokens_per_s": tokens / seconds, "steps_timed": len(timed) if warmup else len(timed) - 1,
-            "final_loss": result.history[-1]["loss"]}
+            "final_loss": result.history[-1]["loss"], "losses": [m["loss"] for m in result.history]}
 
 
 def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
@@ -239,7 +240,7 @@ def bench_one(name: str, target, args, device, attention: str, peak: float | Non
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as out:
         row = _bench_in(name, target, args, device, seq, out, attention)
     free_memory(device)
-    if peak:
+    if peak and "split" in row:
         flops = row["split"]["model_flops"]
         step_s = flops["tokens"] / row["loop"]["tokens_per_s"]  # seconds per micro-batch in the real loop
         row["peak_tflops"] = peak
@@ -261,7 +262,8 @@ def _bench_in(name: str, target, args, device, seq: int, out: str, attention: st
            "seq_len": seq, "batch_size": args.batch_size, "anchors": args.anchors, "block_size": args.block_size,
            "attention": attention_impl(cfg, device, getattr(target.config, "head_dim", None)), "kernels": target.kernel_report()}
     row["loop"] = throughput(target, items, cfg, args.warmup)
-    row["split"] = time_split(target, items, cfg, args.reps)
+    if not args.no_split:
+        row["split"] = time_split(target, items, cfg, args.reps)
     return row
 
 
@@ -269,11 +271,15 @@ def report(rows: list[dict]) -> str:
     lines = [f"{'target':<6} {'attn':<5} {'params':>8} {'seq x B':>9} {'anchors':>7} {'loop tok/s':>11} "
              f"{'target fwd':>10} {'drafter fwd':>11} {'drafter bwd':>11} {'optim':>6} {'MFU':>6}"]
     for r in rows:
-        s = r["split"]["share"]
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
-        lines.append(f"{r['target']:<6} {r['attention']:<5} {r['target_params'] / 1e6:>7.0f}M {r['seq_len']:>5} x "
-                     f"{r['batch_size']:<2} {r['split']['anchors']:>7} {r['loop']['tokens_per_s']:>11.0f} "
-                     f"{s['target forward']:>10.1%} {s['drafter forward']:>11.1%} {s['drafter backward']:>11.1%} "
+        head = (f"{r['target']:<6} {r['attention']:<5} {r['target_params'] / 1e6:>7.0f}M {r['seq_len']:>5} x "
+                f"{r['batch_size']:<2} {r['split']['anchors'] if 'split' in r else '-':>7} "
+                f"{r['loop']['tokens_per_s']:>11.0f} ")
+        if "split" not in r:
+            lines.append(head + f"{'(no split)':>10}")
+            continue
+        s = r["split"]["share"]
+        lines.append(head + f"{s['target forward']:>10.1%} {s['drafter forward']:>11.1%} {s['drafter backward']:>11.1%} "
                      f"{s['optimizer step']:>6.1%} {mfu:>6}")
     if rows and "peak_tflops" in rows[0]:
         lines.append(f"bf16 matmul peak measured in this run: {rows[0]['peak_tflops']:.0f} TFLOP/s")
@@ -281,7 +287,7 @@ def report(rows: list[dict]) -> str:
     for r in rows:
         by_target.setdefault(r["target"], {})[r["attention"]] = r
     for name, runs in by_target.items():
-        if {"sdpa", "flex"} <= runs.keys():
+        if {"sdpa", "flex"} <= runs.keys() and all("split" in r for r in runs.values()):
             a, b = runs["sdpa"], runs["flex"]
             lines.append(f"{name}: flex/sdpa loop tokens/s {b['loop']['tokens_per_s'] / a['loop']['tokens_per_s']:.2f}x, "
                          f"drafter fwd+bwd {(a['split']['seconds']['drafter forward'] + a['split']['seconds']['drafter backward']) / (b['split']['seconds']['drafter forward'] + b['split']['seconds']['drafter backward']):.2f}x faster")
@@ -304,10 +310,15 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=None, help="large target width (default: 2048 GPU, 256 CPU)")
     p.add_argument("--layers", type=int, default=None, help="large target layers (default: 16 GPU, 4 CPU)")
     p.add_argument("--vocab", type=int, default=None, help="large target vocabulary (default: 151936 GPU, 8192 CPU)")
+    p.add_argument("--no-split", action="store_true", help="only the training loop (no phase-by-phase split, no MFU)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     gpu = (args.device == "auto" and torch.cuda.is_available()) or args.device.startswith("cuda")
-    device = torch.device("cuda" if gpu else "cpu")
+    # Under torchrun every rank builds its own target on its own GPU; only rank 0 reports.
+    local_rank, main_rank = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0")) == 0
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
     for key, on_gpu, on_cpu in (("steps", 20, 3), ("anchors", 512, 32), ("batch_size", 2, 2), ("seq_len", 4096, 256),
                                 ("hidden", 2048, 256), ("layers", 16, 4), ("vocab", 151936, 8192)):
         if getattr(args, key) is None:
@@ -321,8 +332,8 @@ def main(argv=None) -> int:
     for a in attentions:
         if a not in ("auto", "sdpa", "flex"):
             p.error(f"unknown attention '{a}'; choose from auto, sdpa, flex")
-    peak = matmul_peak(device) if gpu else None
-    if peak:
+    peak = matmul_peak(device) if gpu and not args.no_split else None
+    if peak and main_rank:
         print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
     rows = []
     for name in presets:
@@ -335,9 +346,12 @@ def main(argv=None) -> int:
                 print(json.dumps({"target": name, "attention": attention, "error": f"{type(e).__name__}: {e}"}), flush=True)
                 free_memory(device)
                 continue
-            print(json.dumps(rows[-1], default=str), flush=True)
+            if main_rank:
+                print(json.dumps(rows[-1], default=str), flush=True)
         del target
         free_memory(device)
+    if not main_rank:
+        return 0
     print("\n" + report(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str) + "\n")

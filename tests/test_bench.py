@@ -1,0 +1,29 @@
+"""The benchmarks that prepare runs this machine cannot make stay runnable: each runs here at toy size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow  # three torchrun launches with torch + transformers: ~60 s on 2 cores
+def test_scaling_benchmark_on_two_gloo_processes(tmp_path):
+    """bench_scaling.py (the multi-GPU run's script) on CPU processes: it reports throughput for 1 and 2
+    processes and the 2-process losses equal one process's on the same global batch."""
+    out = tmp_path / "scaling.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_scaling.py"), "--nprocs", "1,2", "--device", "cpu",
+                          "--json", str(out), "--steps", "2", "--warmup", "1", "--hidden", "64", "--layers", "2",
+                          "--vocab", "512", "--seq-len", "64", "--anchors", "8", "--drafter-layers", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["nprocs"] for r in result["runs"]] == [1, 2]
+    assert all(r["tokens_per_s"] > 0 for r in result["runs"])
+    assert result["loss_check"]["max_rel_loss_diff"] < 1e-5
+    assert "efficiency" in run.stdout and "loss check: 2 processes vs one" in run.stdout
