@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.bench_kernels import timed  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.losses import dflash_loss_from_hidden  # noqa: E402
 from dflash.masks import drafter_attention_mask  # noqa: E402
@@ -109,17 +110,7 @@ def large_target(args, device: torch.device, dtype: torch.dtype, shape: dict | N
 def matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
     """bf16 TFLOP/s of n^3 matrix products on random data (median of `reps` after 3 warm-ups)."""
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return 2 * n ** 3 / statistics.median(samples) / 1e12
+    return 2 * n ** 3 / (timed(lambda: a @ b, device, reps, warmup=3) / 1e3) / 1e12
 
 
 def model_flops(target, dcfg: DrafterConfig, input_ids, attention_mask, blocks) -> dict:
