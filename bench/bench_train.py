@@ -85,10 +85,11 @@ def large_target(args, device: torch.device, dtype: torch.dtype, shape: dict | N
     """A random Qwen3.5 hybrid (3 GatedDeltaNet : 1 full attention) of the given size, built on `device`."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    H, L = (shape["hidden"], shape["layers"]) if shape else (args.hidden, args.layers)
-    s = shape or dict(hidden=H, layers=L, vocab=args.vocab, intermediate=3 * H, heads=max(1, H // 128),
+    H = args.hidden if shape is None else shape["hidden"]
+    s = shape or dict(hidden=H, layers=args.layers, vocab=args.vocab, intermediate=3 * H, heads=max(1, H // 128),
                       kv_heads=max(1, min(4, H // 128)), head_dim=128, linear_k_heads=max(1, H // 256),
                       linear_v_heads=max(1, H // 128))
+    L = s["layers"]
     config = Qwen3_5TextConfig(
         vocab_size=s["vocab"], hidden_size=H, intermediate_size=s["intermediate"], num_hidden_layers=L,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)],
