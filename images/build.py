@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wheelbuilder import targets as tg
-from wheelbuilder.build import exclusive, source_date_epoch
+from wheelbuilder.fsutil import exclusive, source_date_epoch
 from wheelbuilder.cmd import echo, run
 from wheelbuilder.errors import BuildError, ConfigurationError
 

@@ -6,20 +6,19 @@ build leaves only its staging directory (removed on the way out) and its log.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import platform
 import re
 import shutil
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import recipes as rcp
 from .cmd import echo, run
-from .errors import BuildError, BusyError
+from .errors import BuildError
+from .fsutil import exclusive, source_date_epoch
 from .targets import Recipe, Target
 from .toolkit import Toolchain, check_toolchain, pip_cuda_home, plan_jobs, prepare_pip_cuda_home
 from .toolkit import system_packages as distro_packages
@@ -51,12 +50,6 @@ class Plan:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def source_date_epoch() -> int:
-    """SOURCE_DATE_EPOCH from the environment (the Makefile sets it from the last commit), else a
-    fixed date, so that a build never embeds the current time."""
-    return int(os.environ.get("SOURCE_DATE_EPOCH", "1735689600"))  # 2025-01-01T00:00:00Z
-
-
 def make_plan(target: Target, out_dir: Path, build_root: Path, toolchain: Toolchain) -> Plan:
     jobs, threads = plan_jobs(files=4)
     return Plan(
@@ -67,25 +60,6 @@ def make_plan(target: Target, out_dir: Path, build_root: Path, toolchain: Toolch
         nvcc_threads=threads, build_dir=str(build_root), out_dir=str(out_dir),
         source_date_epoch=source_date_epoch(),
     )
-
-
-@contextmanager
-def exclusive(out_dir: Path):
-    """One build per output directory at a time: a second `make wheels` fails fast instead of
-    interleaving writes into the same dist/ folder."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock_path = out_dir / ".build.lock"
-    with open(lock_path, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise BusyError(
-                f"another build is writing to {out_dir} (lock {lock_path} is held). Wait for it to finish; "
-                "two builds of one target at once would overwrite each other."
-            ) from None
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
-        yield
 
 
 class _Progress:
@@ -185,7 +159,9 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
     log_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     system_packages = distro_packages()
-    with exclusive(out_dir):
+    # The source tree under build_root is locked too: two builds with different --out but one
+    # --build-dir would otherwise delete each other's objects mid-compile.
+    with exclusive(out_dir), exclusive(build_root / target.name, "build"):
         for recipe in target.recipes:
             started = time.monotonic()
             log = log_dir / f"{recipe.key}.log"

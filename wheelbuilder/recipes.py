@@ -6,7 +6,6 @@ mamba-ssm) is a new [recipes.*] table, not new code.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tarfile
@@ -16,18 +15,11 @@ from pathlib import Path
 
 from .cmd import echo
 from .errors import SourceError
+from .fsutil import sha256_file
 from .targets import Arch, Recipe, Target
 
 SDIST_CACHE = Path(os.environ.get("WHEELBUILDER_CACHE", Path.home() / ".cache" / "wheelbuilder")) / "sdist"
 PATCH_MARKER = "# wheelbuilder: compile exactly the target's arches"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _download(url: str, dest: Path) -> None:
