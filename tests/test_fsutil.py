@@ -24,7 +24,7 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temporary(tmp_path):
 def test_atomic_write_failure_keeps_old_file(tmp_path):
     target = tmp_path / "f"
     atomic_write(target, "old")
-    with pytest.raises(AttributeError):
+    with pytest.raises(TypeError):
         atomic_write(target, 12345)  # not bytes/str: fails while writing the temporary
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f"]
