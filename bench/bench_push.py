@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from images import export, transfer  # noqa: E402
+from wheelbuilder.fsutil import sha256_file  # noqa: E402
 from pct_double import sshd  # noqa: E402
 from pct_double.demo_image import demo_image  # noqa: E402
 
@@ -34,7 +35,7 @@ def upload(server, payload: Path, dest: Path, compress: bool) -> tuple[float, fl
         old.unlink()
     with transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
                           known_hosts=str(server.known_hosts), compress=compress) as host:
-        digest = transfer.sha256_file(payload)
+        digest = sha256_file(payload)
         t0 = time.monotonic()
         transfer.send_file(host, payload, str(dest), sha256=digest, progress=False)
         seconds = time.monotonic() - t0

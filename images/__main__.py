@@ -5,6 +5,8 @@
     python -m images wheels --target T          builder stage -> dist/wheels/T/ (wheels + manifest.json)
     python -m images image --target T           runtime image dflash-train:T from those wheels
     python -m images export ... / push ...      OCI archive or LXC template; ship to a Proxmox host
+
+Exit codes: images/errors.py (8-15, and wheelbuilder's 1-7 for what it raises from there).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def _base(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # run_cli catches FatalError: ImagesError and wheelbuilder's errors alike (see images/errors.py).
     return run_cli("images", lambda: args.func(args))
 
 

@@ -14,8 +14,10 @@ import tempfile
 from pathlib import Path
 
 from wheelbuilder.cmd import echo, run
+from wheelbuilder.fsutil import source_date_epoch
 
-from .engine import EngineError, client, image_exists
+from .engine import client, image_exists
+from .errors import EngineError
 
 DEFAULT_TAG = "dflash-base:bookworm"
 DEFAULT_SUITE = "bookworm"
@@ -34,7 +36,7 @@ def bootstrap(tag: str = DEFAULT_TAG, suite: str = DEFAULT_SUITE, mirror: str = 
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         run(["apt-get", "update", "-qq"], env=env, error=EngineError)
         run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "debootstrap"], env=env, error=EngineError)
-    epoch = os.environ.get("SOURCE_DATE_EPOCH", "1735689600")
+    epoch = source_date_epoch()
     with tempfile.TemporaryDirectory(prefix="dflash-base-") as tmp:
         root = Path(tmp) / "rootfs"
         echo(f"debootstrap {suite} from {mirror} (about a minute)")

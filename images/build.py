@@ -16,14 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wheelbuilder import targets as tg
-from wheelbuilder.fsutil import exclusive, source_date_epoch
 from wheelbuilder.cmd import echo, run
 from wheelbuilder.errors import BuildError, ConfigurationError
+from wheelbuilder.fsutil import DIST_WHEELS, LOGS, REPO_ROOT, exclusive, source_date_epoch
 
-from .engine import REPO_ROOT, ca_bundle, docker_cli, ensure_engine, ensure_free_space, image_exists
+from .engine import ca_bundle, docker_cli, ensure_engine, ensure_free_space, image_exists
 
-DIST_WHEELS = REPO_ROOT / "dist" / "wheels"
-LOGS = REPO_ROOT / "logs"
 IMAGE_REPO = "dflash-train"
 
 

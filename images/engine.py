@@ -15,14 +15,10 @@ import time
 from pathlib import Path
 
 from wheelbuilder.cmd import echo, run
-from wheelbuilder.errors import FatalError, ToolchainError
+from wheelbuilder.errors import ToolchainError
+from wheelbuilder.fsutil import LOGS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LOG_DIR = REPO_ROOT / "logs"
-
-
-class EngineError(FatalError):
-    exit_code = 8
+from .errors import EngineError
 
 
 def _client_version(cli: str) -> tuple[int, int]:
@@ -95,9 +91,9 @@ def ensure_engine(wait_s: float = 60.0) -> None:
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         run(["apt-get", "update", "-qq"], env=env, error=EngineError)
         run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "docker.io"], env=env, error=EngineError)
-    LOG_DIR.mkdir(exist_ok=True)
-    log = open(LOG_DIR / "dockerd.log", "ab")
-    echo(f"starting dockerd --bridge=none --iptables=false (log: {LOG_DIR / 'dockerd.log'})")
+    LOGS.mkdir(exist_ok=True)
+    log = open(LOGS / "dockerd.log", "ab")
+    echo(f"starting dockerd --bridge=none --iptables=false (log: {LOGS / 'dockerd.log'})")
     subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false"], stdout=log, stderr=log,
                      stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + wait_s
@@ -105,7 +101,7 @@ def ensure_engine(wait_s: float = 60.0) -> None:
         if engine_running():
             return
         time.sleep(1)
-    raise EngineError(f"dockerd did not answer within {wait_s:.0f} s; see {LOG_DIR / 'dockerd.log'}.")
+    raise EngineError(f"dockerd did not answer within {wait_s:.0f} s; see {LOGS / 'dockerd.log'}.")
 
 
 GIB = 1024**3

@@ -26,14 +26,7 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-from wheelbuilder.errors import FatalError
-
-
-class GpuError(FatalError):
-    """The host's GPUs or driver cannot serve the image (missing nodes, driver too old, bad selection)."""
-
-    exit_code = 12
-
+from .errors import GpuError
 
 # Minimum Linux driver per CUDA toolkit (NVIDIA CUDA Toolkit release notes, table "CUDA Toolkit and
 # Corresponding Driver Versions"). A newer toolkit on an older driver fails at cuInit.

@@ -22,15 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from wheelbuilder.errors import FatalError
+from wheelbuilder.fsutil import atomic_write
+
+from .errors import LxcError
 
 COMMON_CONF = "/usr/share/lxc/config/common.conf"
-
-
-class LxcError(FatalError):
-    """LXC could not create, start or run the container."""
-
-    exit_code = 14
 
 
 def available() -> str | None:
@@ -127,7 +123,7 @@ class Container:
             cfg = unpack_oci(artifact, self.rootfs)
             env = dict(e.split("=", 1) for e in cfg.get("Env", []) if "=" in e)
             if not init_cmd:  # PVE would run the image's entrypoint; here: stay up for lxc-attach
-                from .export import INIT_SHIM
+                from .template import INIT_SHIM
 
                 shim = self.rootfs / ".dflash-init"
                 shim.write_text(INIT_SHIM)
@@ -138,9 +134,7 @@ class Container:
         self.write_config(render_config(self.name, self.rootfs, init_cmd=init_cmd, env=env, extra=list(extra)))
 
     def write_config(self, text: str) -> None:
-        tmp = self.dir / "config.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.dir / "config")
+        atomic_write(self.dir / "config", text)
 
     def state(self) -> str:
         if not self.dir.exists():

@@ -17,20 +17,12 @@ from dataclasses import dataclass, field
 
 from packaging.version import Version
 
-from wheelbuilder.errors import FatalError
-
 from . import gpu
+from .errors import HostError
 
 OCI_MIN_PVE = Version("9.1")  # pve-container >= 6.0.15 restores OCI archives
 DEV_MIN_PVE = Version("8.2")  # devN passthrough (pve-container >= 5.0.7)
-OSTYPES = ("unmanaged", "debian", "ubuntu", "centos", "fedora", "opensuse", "archlinux", "alpine", "gentoo", "nixos")
 FEATURES = ("nesting", "keyctl", "fuse", "mknod", "mount", "force_rw_sys")
-
-
-class HostError(FatalError):
-    """The Proxmox host cannot take this container as asked (version, storage, CTID, GPUs)."""
-
-    exit_code = 13
 
 
 @dataclass(frozen=True)

@@ -18,24 +18,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wheelbuilder.errors import FatalError
-
-from . import export, proxmox, transfer
+from . import export, proxmox, records, transfer
+from .errors import HostError, PushError
+from .imageinfo import ImageInfo, inspect_image
 
 EXTENSIONS = {"oci": ".oci.tar", "template": ".tar.zst"}
-
-
-class PushError(FatalError):
-    """The container was created but did not come up healthy."""
-
-    exit_code = 15
 
 
 @dataclass
 class PushOptions:
     host: str
     ctid: int
-    image: str = "dflash-train:latest"
+    image: str  # in the local engine; the CLI defaults it to dflash-train:<target>
     format: str = "auto"  # auto, oci, template
     out_dir: Path = export.DEFAULT_OUT
     port: int = 22
@@ -48,7 +42,7 @@ class PushOptions:
     start: bool = True
     doctor: str = "dflash doctor"
     pve_config_dir: str = "/etc/pve/lxc"
-    bwlimit: float | None = None
+    bwlimit_mb_s: float | None = None  # upload cap, MB/s (10**6 bytes per second)
     plan: dict = field(default_factory=dict)  # ContainerPlan fields other than ctid/template/fmt
 
 
@@ -67,7 +61,7 @@ def say(msg: str) -> None:
 
 def push(o: PushOptions) -> PushReport:
     report = PushReport()
-    info = export.inspect_image(o.image)
+    info = inspect_image(o.image)
     with transfer.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
                           accept_new_host_key=o.accept_new_host_key, compress=o.compress) as host:
         facts = proxmox.gather_facts(host, o.plan.get("gpus", "all"))
@@ -79,9 +73,9 @@ def push(o: PushOptions) -> PushReport:
             f"passed through, format {fmt}" + (f", driver {facts.driver.text}" if facts.driver else ""))
 
         record = _artifact(info, fmt, artifact, o, report)
-        shadow = export.shadowing_libcuda(record) if devices else []
+        shadow = records.shadowing_libcuda(record) if devices else []
         if shadow:
-            raise proxmox.HostError(
+            raise HostError(
                 f"the image ships its own libcuda ({', '.join(shadow)}) on its LD_LIBRARY_PATH; it would be loaded "
                 f"instead of the host driver's {facts.driver.text} libraries and fail with 'driver/library version "
                 "mismatch'. Remove it from the image (or from LD_LIBRARY_PATH) and export again.")
@@ -91,7 +85,7 @@ def push(o: PushOptions) -> PushReport:
                 f"to {host.hostname}:{template_dir}/{artifact.name}")
         else:
             r = transfer.send_file(host, artifact, template_dir, sha256=record["sha256"], force=o.force,
-                                   bwlimit=o.bwlimit)
+                                   bwlimit_mb_s=o.bwlimit_mb_s)
             say(f"{r.status}: {r.remote_path} ({r.bytes_sent / 1e6:.1f} MB at {r.rate_mb_s:.1f} MB/s)")
             report.step("transfer", status=r.status, path=r.remote_path, bytes=r.bytes_sent, seconds=r.seconds)
 
@@ -129,7 +123,7 @@ def push(o: PushOptions) -> PushReport:
     return report
 
 
-def doctor_argv(fmt: str, info: export.ImageInfo, doctor: str) -> list[str]:
+def doctor_argv(fmt: str, info: ImageInfo, doctor: str) -> list[str]:
     """The doctor command inside the container, with the image's environment (pct exec has none of it).
 
     Templates carry /usr/local/bin/dflash-env; an OCI container gets the recorded Env and WORKDIR."""
@@ -142,10 +136,10 @@ def doctor_hint(fmt: str, doctor: str) -> str:
     return f"/usr/local/bin/dflash-env {doctor}" if fmt == "template" else doctor
 
 
-def _artifact(info: export.ImageInfo, fmt: str, artifact: Path, o: PushOptions, report: PushReport) -> dict:
+def _artifact(info: ImageInfo, fmt: str, artifact: Path, o: PushOptions, report: PushReport) -> dict:
     """The exported artifact's record: reused when it is of this very image, else exported now."""
-    if artifact.exists() and export.record_path(artifact).exists():
-        record = export.read_record(artifact)
+    if artifact.exists() and records.record_path(artifact).exists():
+        record = records.read_record(artifact)
         if record["image"]["id"] == info.id and record["size"] == artifact.stat().st_size:
             say(f"reusing {artifact} (image {info.id[:19]})")
             report.step("export", path=str(artifact), reused=True)
@@ -183,11 +177,11 @@ def _cmd_push(args: argparse.Namespace) -> int:
                 data_gb=args.data_size, data_path=args.data_path, features=args.features,
                 unprivileged=not args.privileged, net0=args.net0 or None, gpus=args.gpus,
                 replace=args.replace, template_storage=args.storage, entrypoint=args.entrypoint)
-    opts = PushOptions(host=args.host, ctid=args.ctid, image=args.image, format=args.format, out_dir=Path(args.out_dir),
+    opts = PushOptions(host=args.host, ctid=args.ctid, image=export.image_from_args(args), format=args.format, out_dir=Path(args.out_dir),
                        port=args.port, identity=args.identity, known_hosts=args.known_hosts,
                        accept_new_host_key=args.accept_new_host_key, compress=args.compress, force=args.force,
                        dry_run=args.dry_run, start=not args.no_start, doctor=args.doctor,
-                       pve_config_dir=args.pve_config_dir, bwlimit=args.bwlimit * 1e6 if args.bwlimit else None,
+                       pve_config_dir=args.pve_config_dir, bwlimit_mb_s=args.bwlimit,
                        plan=plan)
     report = push(opts)
     if args.json:
@@ -211,7 +205,7 @@ def register(subparsers) -> None:
                               formatter_class=_HelpFormatter, description=__doc__)
     p.add_argument("--host", required=True, help="USER@HOST of the Proxmox node (root: devN and raw lines need root@pam)")
     p.add_argument("--ctid", required=True, type=_ctid, help="container ID to create")
-    p.add_argument("--image", default="dflash-train:latest", help="image in the local engine")
+    export.add_image_arguments(p)
     p.add_argument("--format", choices=("auto", "oci", "template"), default="auto",
                    help="auto: OCI archive on PVE >= 9.1, rootfs template otherwise")
     p.add_argument("--out-dir", default=str(export.DEFAULT_OUT), help="where exports are written and reused")
@@ -222,7 +216,7 @@ def register(subparsers) -> None:
     ssh.add_argument("--accept-new-host-key", action="store_true",
                      help="trust and record an unknown host key (a changed key is still refused)")
     ssh.add_argument("--compress", action="store_true", help="SSH compression (helps on slow links only)")
-    ssh.add_argument("--bwlimit", type=float, help="upload cap in MB/s")
+    ssh.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
     ct = p.add_argument_group("container")
     ct.add_argument("--hostname", default="dflash-train")
     ct.add_argument("--cores", type=int, default=8)

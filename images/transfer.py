@@ -15,8 +15,6 @@ On the host, for a file NAME in DIR:
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shlex
 import socket
 import time
@@ -26,20 +24,12 @@ from pathlib import Path
 import paramiko
 from tqdm import tqdm
 
-from wheelbuilder.errors import FatalError
+from wheelbuilder.fsutil import sha256_file
+
+from .errors import HostKeyError, TransferError
 
 CHUNK = 1 << 20
 SPACE_MARGIN = 64 << 20  # keep this much free on the host after the upload
-
-
-class TransferError(FatalError):
-    """The host could not be reached or refused, or the upload failed or did not verify."""
-
-    exit_code = 10
-
-
-class HostKeyError(TransferError):
-    exit_code = 11
 
 
 @dataclass(frozen=True)
@@ -152,21 +142,11 @@ class TransferResult:
         return self.bytes_sent / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-def sha256_file(path: Path, limit: int | None = None, desc: str | None = None) -> str:
-    """sha256 of a file (or of its first `limit` bytes), with a progress bar when `desc` is given."""
-    h = hashlib.sha256()
-    total = path.stat().st_size if limit is None else limit
-    with open(path, "rb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=desc,
-                                     disable=desc is None, leave=False) as bar:
-        left = total
-        while left > 0:
-            block = f.read(min(CHUNK * 8, left))
-            if not block:
-                break
-            h.update(block)
-            left -= len(block)
-            bar.update(len(block))
-    return h.hexdigest()
+def local_sha256(path: Path, progress: bool) -> str:
+    """sha256 of the local file, with a progress bar (hashing a multi-GB template takes a while)."""
+    with tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}",
+              disable=not progress, leave=False) as bar:
+        return sha256_file(path, progress=bar.update)
 
 
 def remote_sha256(host: SshHost, path: str, limit: int | None = None) -> str:
@@ -188,18 +168,18 @@ def remote_free_bytes(host: SshHost, directory: str) -> int:
 
 
 def send_file(host: SshHost, local: Path, remote_dir: str, *, sha256: str | None = None,
-              force: bool = False, bwlimit: float | None = None, progress: bool = True) -> TransferResult:
+              force: bool = False, bwlimit_mb_s: float | None = None, progress: bool = True) -> TransferResult:
     """Upload `local` to `remote_dir/<name>`; see the module docstring for the protocol.
 
-    `sha256`: the digest the file must have (from its export record); computed when None. `bwlimit`:
-    bytes per second cap. Raises TransferError before sending anything when the name is taken by a
+    `sha256`: the digest the file must have (from its export record); computed when None.
+    `bwlimit_mb_s`: upload cap in MB/s (10**6 bytes per second). Raises TransferError before sending anything when the name is taken by a
     different file (without `force`) or the host lacks space."""
     local = Path(local)
     size = local.stat().st_size
     final = f"{remote_dir.rstrip('/')}/{local.name}"
     partial = f"{remote_dir.rstrip('/')}/.{local.name}.partial"
     start = time.monotonic()
-    digest = sha256 or sha256_file(local, desc=f"sha256 {local.name}" if progress else None)
+    digest = sha256 or local_sha256(local, progress)
 
     host.run(["mkdir", "-p", remote_dir])
     existing = remote_size(host, final)
@@ -225,7 +205,7 @@ def send_file(host: SshHost, local: Path, remote_dir: str, *, sha256: str | None
             f"{needed / 1e9:.2f} GB. Free space there or choose another storage."
         )
 
-    _upload(host, local, partial, offset, size, bwlimit, progress)
+    _upload(host, local, partial, offset, size, bwlimit_mb_s, progress)
 
     if progress:
         tqdm.write(f"verifying sha256 of {local.name} on {host.hostname} ({size / 1e9:.2f} GB)")
@@ -243,7 +223,7 @@ def send_file(host: SshHost, local: Path, remote_dir: str, *, sha256: str | None
 
 
 def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
-            bwlimit: float | None, progress: bool) -> None:
+            bwlimit_mb_s: float | None, progress: bool) -> None:
     """Append local[offset:] to the remote partial, pipelined, with tqdm rate and ETA."""
     t0 = time.monotonic()
     sent = 0
@@ -256,8 +236,8 @@ def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
             dst.write(block)
             sent += len(block)
             bar.update(len(block))
-            if bwlimit:
-                ahead = sent / bwlimit - (time.monotonic() - t0)
+            if bwlimit_mb_s:
+                ahead = sent / (bwlimit_mb_s * 1e6) - (time.monotonic() - t0)
                 if ahead > 0:
                     time.sleep(ahead)
         dst.flush()
@@ -274,11 +254,11 @@ def main_send(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=22)
     p.add_argument("--identity")
     p.add_argument("--known-hosts")
-    p.add_argument("--bwlimit", type=float, help="bytes per second")
+    p.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
     with SshHost(a.target, port=a.port, identity=a.identity, known_hosts=a.known_hosts) as host:
-        r = send_file(host, a.file, a.remote_dir, force=a.force, bwlimit=a.bwlimit)
+        r = send_file(host, a.file, a.remote_dir, force=a.force, bwlimit_mb_s=a.bwlimit)
     print(f"{r.status} {r.remote_path} {r.bytes_sent} bytes in {r.seconds:.1f}s ({r.rate_mb_s:.1f} MB/s)")
     return 0
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from images import gpu
+from images.errors import GpuError
 
 DATA = Path(__file__).parent / "data" / "nvidia-8gpu"
 
@@ -60,12 +61,12 @@ def test_select_subset_and_errors(devices):
     chosen = gpu.select_devices(devices, "1,3")
     assert [d.gpu_index for d in chosen if d.gpu_index is not None] == [1, 3]
     assert gpu.select_devices(devices, "none") == []
-    with pytest.raises(gpu.GpuError, match=r"GPU\(s\) \[9\].*nvidia\{0,1,2,3,4,5,6,7\}"):
+    with pytest.raises(GpuError, match=r"GPU\(s\) \[9\].*nvidia\{0,1,2,3,4,5,6,7\}"):
         gpu.select_devices(devices, "1,9")
-    with pytest.raises(gpu.GpuError, match="comma list"):
+    with pytest.raises(GpuError, match="comma list"):
         gpu.select_devices(devices, "first")
     no_uvm = [d for d in devices if "uvm" not in d.path]
-    with pytest.raises(gpu.GpuError, match="nvidia-modprobe -u"):
+    with pytest.raises(GpuError, match="nvidia-modprobe -u"):
         gpu.select_devices(no_uvm, "all")
 
 
@@ -76,10 +77,10 @@ def test_driver_version_and_cuda_floor():
     gpu.check_driver("13.0", info)
     gpu.check_driver("12.8", info)
     old = gpu.parse_driver_version("570.133.20")
-    with pytest.raises(gpu.GpuError, match=r"570.133.20 is too old for the image's CUDA 13.0.*>= 580.65.06"):
+    with pytest.raises(GpuError, match=r"570.133.20 is too old for the image's CUDA 13.0.*>= 580.65.06"):
         gpu.check_driver("13.0.88", old)
     gpu.check_driver("12.8.1", old)
-    with pytest.raises(gpu.GpuError, match="pass --gpus none"):
+    with pytest.raises(GpuError, match="pass --gpus none"):
         gpu.parse_driver_version("NVIDIA-SMI has failed")
 
 
@@ -91,5 +92,5 @@ def test_driver_libraries_bind_at_their_sonames():
     mounts = gpu.render_library_mounts(libs)
     assert ("lxc.mount.entry: /lib/x86_64-linux-gnu/libcuda.so.1 usr/lib/x86_64-linux-gnu/libcuda.so.1 "
             "none bind,ro,optional,create=file") in mounts
-    with pytest.raises(gpu.GpuError, match="no libcuda.so.1"):
+    with pytest.raises(GpuError, match="no libcuda.so.1"):
         gpu.render_library_mounts([lib for lib in libs if not lib.soname.startswith("libcuda.")])

@@ -4,6 +4,7 @@ environment through the carried files."""
 import pytest
 
 from images import export, lxc
+from images.errors import LxcError
 from pct_double.demo_image import demo_image_or_skip
 
 pytestmark = [pytest.mark.lxc, pytest.mark.docker]
@@ -57,5 +58,5 @@ def test_oci_archive_boots_with_env_only_for_init(artifacts, container):
 
 def test_existing_container_is_refused(artifacts, container):
     container.create(artifacts["template"])
-    with pytest.raises(lxc.LxcError, match="already exists"):
+    with pytest.raises(LxcError, match="already exists"):
         container.create(artifacts["template"])

@@ -7,6 +7,7 @@ import pytest
 from packaging.version import Version
 
 from images import gpu, proxmox
+from images.errors import GpuError, HostError
 
 DATA = Path(__file__).parent / "data" / "nvidia-8gpu"
 
@@ -89,7 +90,7 @@ def test_gpus_on_pve_8_1_use_raw_cgroup_and_mount_lines():
 def test_refusals_name_the_fix(kw, plan_kw, cuda, message):
     plan = proxmox.ContainerPlan(**{"ctid": 200, "template": "x.tar.zst", "fmt": "template",
                                     "rootfs_storage": "local-zfs", **plan_kw})
-    with pytest.raises(proxmox.HostError, match=message):
+    with pytest.raises(HostError, match=message):
         proxmox.check_plan(plan, facts(**kw), cuda)
 
 
@@ -98,10 +99,10 @@ def test_replace_allows_a_used_ctid_and_old_driver_is_refused():
     proxmox.check_plan(plan, facts(ctids=(200,)), "13.0")
     old = facts()
     old.driver = gpu.parse_driver_version("570.133.20")
-    with pytest.raises(gpu.GpuError, match="too old for the image's CUDA 13.0"):
+    with pytest.raises(GpuError, match="too old for the image's CUDA 13.0"):
         proxmox.check_plan(plan, old, "13.0")
 
 
 def test_not_a_pve_host():
-    with pytest.raises(proxmox.HostError, match="does not look like a Proxmox VE host"):
+    with pytest.raises(HostError, match="does not look like a Proxmox VE host"):
         proxmox.parse_pveversion("bash: pveversion: command not found")

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from images import lxc, proxmox, push
+from images import export, lxc, push
+from images.errors import HostError, PushError
 from pct_double import sshd
 from pct_double.demo_image import demo_image_or_skip
+from wheelbuilder import targets as tg
+from wheelbuilder.errors import FatalError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -18,8 +21,20 @@ def test_cli_registers_push_with_defaults():
     push.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["push", "--host", "root@pve", "--ctid", "200"])
     assert args.func is push._cmd_push and args.gpus == "all" and args.format == "auto" and not args.dry_run
+    assert args.bwlimit is None
+    default_target = tg.load().default_target
+    assert export.image_from_args(args) == f"dflash-train:{default_target}"  # what `make image` builds
     with pytest.raises(SystemExit):
         parser.parse_args(["push", "--host", "root@pve", "--ctid", "two-hundred"])
+
+
+def test_images_errors_share_wheelbuilders_family_with_their_own_codes():
+    from images import errors
+
+    family = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.ImagesError)
+              and c is not errors.ImagesError]
+    assert all(issubclass(c, FatalError) for c in family)
+    assert sorted(c.exit_code for c in family) == list(range(8, 16))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +86,7 @@ def test_push_template_end_to_end_then_refuse_then_replace(pve, capsys):
     sent = [s for s in report.steps if s["step"] == "transfer"][0]
     assert sent["status"] == "sent" and sent["bytes"] == template.stat().st_size
 
-    with pytest.raises(proxmox.HostError, match="CTID 200 is already in use"):
+    with pytest.raises(HostError, match="CTID 200 is already in use"):
         push.push(options(pve, 200))
 
     again = push.push(options(pve, 200, plan={"replace": True}))
@@ -97,7 +112,7 @@ def test_push_oci_on_pve_9_1(pve):
 @pytest.mark.docker
 def test_oci_on_old_pve_is_refused_before_export(pve, tmp_path):
     set_pve_version(pve, "8.4.1")
-    with pytest.raises(proxmox.HostError, match="--format template"):
+    with pytest.raises(HostError, match="--format template"):
         push.push(options(pve, 202, format="oci", out=tmp_path))
     assert not list(tmp_path.iterdir())
 
@@ -122,5 +137,5 @@ def test_dry_run_prints_and_changes_nothing(pve, tmp_path, capsys):
 @pytest.mark.docker
 def test_failing_doctor_fails_the_push(pve):
     set_pve_version(pve, "8.2.4")
-    with pytest.raises(push.PushError, match="`false` failed inside it"):
+    with pytest.raises(PushError, match="`false` failed inside it"):
         push.push(options(pve, 204, doctor="false"))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from images import transfer
+from images.errors import HostKeyError, TransferError
 from pct_double import sshd
 
 pytestmark = pytest.mark.ssh
@@ -56,7 +57,7 @@ def test_different_file_with_same_name_needs_force(server, tmp_path):
     (dest / "art.tar").write_bytes(b"an older template")
     src = random_file(tmp_path / "art.tar", 1 << 20)
     with connect(server) as host:
-        with pytest.raises(transfer.TransferError, match="already exists with different content.*--force"):
+        with pytest.raises(TransferError, match="already exists with different content.*--force"):
             transfer.send_file(host, src, str(dest), progress=False)
         assert (dest / "art.tar").read_bytes() == b"an older template"
         r = transfer.send_file(host, src, str(dest), force=True, progress=False)
@@ -68,7 +69,7 @@ def test_checksum_mismatch_never_takes_the_real_name(server, tmp_path):
     dest = tmp_path / "cache"
     recorded = hashlib.sha256(b"what the export record says").hexdigest()
     with connect(server) as host:
-        with pytest.raises(transfer.TransferError, match="checksum mismatch.*nothing was renamed"):
+        with pytest.raises(TransferError, match="checksum mismatch.*nothing was renamed"):
             transfer.send_file(host, src, str(dest), sha256=recorded, progress=False)
     assert not (dest / "art.tar").exists() and not (dest / ".art.tar.partial").exists()
 
@@ -80,7 +81,7 @@ def test_killed_client_resumes_from_the_partial(server, tmp_path):
     partial = dest / ".big.tar.partial"
     cmd = [sys.executable, "-m", "images.transfer", server.target, str(src), str(dest),
            "--port", str(server.port), "--identity", str(server.identity),
-           "--known-hosts", str(server.known_hosts), "--bwlimit", str(8e6)]
+           "--known-hosts", str(server.known_hosts), "--bwlimit", "8"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (partial.exists() and partial.stat().st_size > 4 << 20):
@@ -113,7 +114,7 @@ def test_not_enough_space_is_refused_before_sending(server, tmp_path):
     with open(src, "wb") as f:  # sparse: claims far more than the disk holds
         f.truncate(1 << 43)  # 8 TiB
     with connect(server) as host:
-        with pytest.raises(transfer.TransferError, match="GB free but the upload needs"):
+        with pytest.raises(TransferError, match="GB free but the upload needs"):
             transfer.send_file(host, src, str(tmp_path / "cache"), sha256="0" * 64, progress=False)
     assert not (tmp_path / "cache" / ".huge.tar.partial").exists()
 
@@ -121,7 +122,7 @@ def test_not_enough_space_is_refused_before_sending(server, tmp_path):
 def test_unknown_host_key_is_refused_unless_accepted(server, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
-    with pytest.raises(transfer.HostKeyError, match="not in .*--accept-new-host-key"):
+    with pytest.raises(HostKeyError, match="not in .*--accept-new-host-key"):
         transfer.SshHost(server.target, port=server.port, identity=str(server.identity), known_hosts=str(empty))
     with transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
                           known_hosts=str(empty), accept_new_host_key=True) as host:
@@ -134,6 +135,6 @@ def test_changed_host_key_is_refused_even_with_accept_new(server, tmp_path):
     kind, key = (tmp_path / "other.pub").read_text().split()[:2]
     wrong = tmp_path / "known_hosts"
     wrong.write_text(f"[127.0.0.1]:{server.port} {kind} {key}\n")
-    with pytest.raises(transfer.HostKeyError, match="does not match"):
+    with pytest.raises(HostKeyError, match="does not match"):
         transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
                          known_hosts=str(wrong), accept_new_host_key=True)

@@ -148,7 +148,7 @@ def test_dockerfile_stages_and_args_resolve_for_the_default_target():
 def test_too_little_disk_fails_before_the_build_naming_the_numbers(ci_target, tmp_path, monkeypatch):
     """A full disk must stop the build up front, not as `No space left on device` inside a 5 GB layer."""
     from images.build import build_wheels
-    from images.engine import EngineError
+    from images.errors import EngineError
 
     monkeypatch.setenv("DFLASH_MIN_FREE_GIB", "1000000")
     out = tmp_path / "wheels"

@@ -18,6 +18,14 @@ def echo(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def require_tool(tool: str, why: str, error: type[FatalError] = ToolchainError) -> str:
+    """The path of `tool` on PATH; raises `error` saying why it is needed and how to install it."""
+    found = shutil.which(tool)
+    if not found:
+        raise error(f"'{tool}' is not installed; it is needed to {why}. Install it (apt install {tool}).")
+    return found
+
+
 def run(
     cmd: Sequence[str],
     *,

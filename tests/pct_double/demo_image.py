@@ -23,7 +23,7 @@ RUN mkdir -p /opt/venv/bin /workspace \\
  && ln /opt/venv/bin/dflash /opt/venv/bin/dflash-hardlink
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/opt/venv/lib
 WORKDIR /workspace
-LABEL org.dflash.cuda=13.0
+LABEL io.dflash.target=cu130-sm120
 ENTRYPOINT ["dflash-train"]
 """
 

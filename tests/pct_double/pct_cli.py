@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from images import lxc
+from images.errors import LxcError
 
 OPTIONS = re.compile(r"^(hostname|ostype|unprivileged|cores|memory|swap|rootfs|features|arch|description|"
                      r"entrypoint|onboot|mp\d+|net\d+|dev\d+)$")
@@ -175,7 +176,7 @@ def main(argv: list[str]) -> None:
             print("".join(f"{k}: {v}\n" for k, v in read_conf(args[0])), end="")
         else:
             die(f"pct double: unsupported command '{cmd}'")
-    except lxc.LxcError as e:
+    except LxcError as e:
         die(str(e))
     except TypeError:
         die(f"pct double: wrong arguments for '{cmd}': {' '.join(args)}")
