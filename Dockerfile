@@ -67,8 +67,8 @@ RUN --mount=type=secret,id=ca \
 ###################################################################################################
 FROM toolkit AS wheel-build
 ARG TARGET=cu128-sm120
-# Fixed so that the wheel's timestamps never depend on the build date (the Makefile passes the last
-# commit's time).
+# Fixed so that the wheel's timestamps never depend on the build date. `python -m images wheels` always
+# passes it: $SOURCE_DATE_EPOCH when set, else wheelbuilder.fsutil.DEFAULT_SOURCE_DATE_EPOCH (this value).
 ARG SOURCE_DATE_EPOCH=1735689600
 # Empty: sized from cores and free memory (wheelbuilder.toolkit.plan_jobs). Set to lower peak memory.
 ARG MAX_JOBS=

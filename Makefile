@@ -1,8 +1,10 @@
 # dflash-images: build CUDA-extension wheels once, ship them in a slim self-checking training image.
 # Every target only calls the project's own CLIs; the logic lives in Python, where it is tested.
 
-TARGET  ?= cu128-sm120        # a [targets.*] name from targets.toml
-PYTHON  ?= python3.11         # interpreter for the host venv (the cu130 targets' Python)
+# a [targets.*] name from targets.toml
+TARGET  ?= cu128-sm120
+# interpreter for the host venv (the cu130 targets' Python)
+PYTHON  ?= python3.11
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PYTEST_ARGS ?=
@@ -11,7 +13,7 @@ CTID    ?=
 PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-image bench-push push clean
+.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-image bench-push push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -33,20 +35,23 @@ engine: venv  ## make sure a Docker engine with BuildKit runs (installs Debian's
 base: engine  ## bootstrap the offline Debian base image dflash-base:bookworm (debootstrap + docker import)
 	$(PY) -m images base
 
-lock: venv  ## regenerate locks/ from targets.toml and locks/*.in (needs uv and the torch index)
-	$(PY) -m wheelbuilder lock
+lock: venv  ## regenerate the PyPI locks and locks/dev.txt; TARGET=… given: that target's lock, whatever its index
+	$(PY) -m wheelbuilder lock $(if $(filter command line,$(origin TARGET)),--target $(TARGET))
+
+pin-images: engine  ## pull the CUDA devel images the builders copy nvcc from; record their digests in locks/images.toml
+	$(PY) -m images pin-images
 
 wheels: engine  ## build the target's wheels in the builder stage -> dist/wheels/$(TARGET)/
-	$(PY) -m images wheels --target $(strip $(TARGET))
+	$(PY) -m images wheels --target $(TARGET)
 
 image: wheels  ## build the runtime image dflash-train:$(TARGET) from dist/wheels/$(TARGET)/
-	$(PY) -m images image --target $(strip $(TARGET))
+	$(PY) -m images image --target $(TARGET)
 
 demo: image  ## build what is missing, then run the built-in demo inside dflash-train:$(TARGET)
-	$(PY) -m images demo --target $(strip $(TARGET))
+	$(PY) -m images demo --target $(TARGET)
 
 bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a warm rebuild (native nvcc)
-	$(PY) bench/bench_build.py --target $(strip $(TARGET))
+	$(PY) bench/bench_build.py --target $(TARGET)
 
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
@@ -61,7 +66,7 @@ bench-loss: venv  ## the full-logits loss vs the chunked LM head: step time and 
 	$(PY) bench/bench_loss.py
 
 bench-image: engine  ## runtime vs builder image size, doctor wall time, container start -> healthy
-	$(PY) bench/bench_image.py --target $(strip $(TARGET))
+	$(PY) bench/bench_image.py --target $(TARGET)
 
 bench-push: engine  ## export time, template size and SSH transfer throughput over loopback
 	$(PY) bench/bench_push.py
@@ -70,7 +75,7 @@ bench: bench-build bench-kernels bench-train bench-loss bench-image bench-push  
 
 push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS=--dry-run]
 	@test -n "$(HOST)" -a -n "$(CTID)" || { echo 'usage: make push HOST=root@pve CTID=200 [TARGET=...] [PUSH_ARGS=--dry-run]'; exit 2; }
-	$(PY) -m images push --image dflash-train:$(strip $(TARGET)) --host $(HOST) --ctid $(CTID) $(PUSH_ARGS)
+	$(PY) -m images push --target $(TARGET) --host $(HOST) --ctid $(CTID) $(PUSH_ARGS)
 
 test: venv engine  ## run every test tier this machine can run
 	$(PY) -m pytest $(PYTEST_ARGS)
