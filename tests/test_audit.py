@@ -15,7 +15,7 @@ import pytest
 
 from wheelbuilder.audit import audit_so, audit_wheel, find_modules
 from wheelbuilder.errors import AuditError
-from wheelbuilder.targets import load, with_arches
+from wheelbuilder.targets import load, with_arches, with_python
 from wheelbuilder.wheelfile import BUILD_INFO, build_info, repack_deterministic
 
 KERNEL = r"""
@@ -165,9 +165,9 @@ def test_wrong_torch_in_build_info_fails(torch_modules, target, tmp_path):
 
 @pytest.mark.nvcc
 def test_every_failure_is_listed_at_once(torch_modules, catalog, tmp_path):
-    """A CUDA 13 module audited for the CUDA 12.8 / Python 3.12 target: cudart major, tags, ABI,
+    """A CUDA 13 module audited for the CUDA 12.8 target built for Python 3.12: cudart major, tags, ABI,
     local version and torch all differ, and all of them are in one error."""
-    cu128 = catalog.target("cu128-sm120")
+    cu128 = with_python(catalog.target("cu128-sm120"), "3.12")
     cu130 = catalog.target("cu130-sm120")
     wheel = make_wheel(tmp_path, cu130, cu130.recipes[0], torch_modules["sm120"])
     report = audit_wheel(wheel, cu128, cu128.recipes[0], raise_on_failure=False)

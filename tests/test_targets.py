@@ -25,19 +25,27 @@ def real_text() -> str:
     return (REPO / "targets.toml").read_text()
 
 
-def test_real_file_loads_with_three_targets_and_default():
+def test_real_file_loads_with_its_targets_and_default():
     cat = tg.load()
-    assert set(cat.targets) == {"cu128-sm120", "cu130-sm120", "cu130-sm90"}
+    assert set(cat.targets) == {"cu128-sm120", "cu128-sm120-torch2.11", "cu130-sm120", "cu130-sm90"}
     assert cat.default_target == "cu128-sm120"
     t = cat.target(None)
-    assert t.name == "cu128-sm120" and t.torch.version == "2.11.0+cu128" and t.python == "3.12"
+    # The default locks from PyPI alone (PyPI's torch 2.10.0 is a CUDA 12.8 build); nvcc 12.8 comes
+    # out of NVIDIA's devel image into the same offline Debian base the runtime uses.
+    assert t.name == "cu128-sm120" and t.torch.version == "2.10.0" and t.torch.from_pypi and t.python == "3.11"
     assert [a.sm for a in t.arches] == [120]
-    assert t.toolkit.kind == "image" and "12.8.1-devel" in t.toolkit.builder_base
+    assert t.toolkit.kind == "image" and t.toolkit.image == "nvidia/cuda:12.8.1-devel-ubuntu24.04"
+    assert t.toolkit.image_cuda_home == "/usr/local/cuda-12.8"
+    assert t.toolkit.builder_base == t.toolkit.runtime_base == "dflash-base:bookworm"
+    variant = cat.target("cu128-sm120-torch2.11")
+    assert variant.torch.version == "2.11.0+cu128" and not variant.torch.from_pypi
+    assert variant.toolkit == t.toolkit and variant.torch.lock != t.torch.lock
 
 
 def test_local_version_names_cuda_torch_and_arch():
     cat = tg.load()
-    assert cat.target("cu128-sm120").local_version() == "cu128torch2.11sm120"
+    assert cat.target("cu128-sm120").local_version() == "cu128torch2.10sm120"
+    assert cat.target("cu128-sm120-torch2.11").local_version() == "cu128torch2.11sm120"
     assert cat.target("cu130-sm120").local_version() == "cu130torch2.11sm120"
     assert cat.target("cu130-sm90").local_version() == "cu130torch2.11sm90"
 
@@ -53,10 +61,28 @@ def test_pypi_toolkit_pins_match_the_builder_lock():
     assert "--hash=sha256:" in lock
 
 
-def test_runtime_lock_pins_the_same_torch_as_the_target():
-    lock = (REPO / "locks/cu130/runtime.txt").read_text()
-    torch_pin = tg.load().target("cu130-sm120").torch.version
-    assert re.search(rf"^torch=={re.escape(torch_pin)} \\$", lock, re.M)
+@pytest.mark.parametrize("target", ["cu128-sm120", "cu130-sm120"])
+def test_locks_pin_the_same_torch_as_the_target(target):
+    t = tg.load().target(target)
+    for name in ("runtime.txt", "builder.txt", "common.txt"):
+        lock = (REPO / "locks" / t.torch.lock / name).read_text()
+        assert re.search(rf"^torch=={re.escape(t.torch.version)} \\$", lock, re.M), name
+
+
+def test_image_toolkit_needs_a_tag_reference(tmp_path):
+    """The devel image is named by tag; its digest is data in locks/images.toml, never typed here."""
+    image = 'image = "nvidia/cuda:12.8.1-devel-ubuntu24.04"'
+    assert image in real_text()
+    digest = 'image = "nvidia/cuda:12.8.1-devel-ubuntu24.04@sha256:' + "0" * 64 + '"'
+    for bad, says in ((digest, "without '@sha256:'.*make pin-images"), ('image = "nvidia/cuda"', "tag reference"),
+                      ("", r"\[toolkits.cuda-12_8-image\]: missing required key 'image'")):
+        with pytest.raises(ConfigurationError, match=says):
+            tg.load(write(tmp_path, real_text().replace(image, bad)))
+    pypi = '[toolkits.cuda-13_0-pypi]\nkind = "pypi"'
+    assert pypi in real_text()
+    text = real_text().replace(pypi, pypi + '\nimage = "nvidia/cuda:13.0.0-devel-ubuntu24.04"')
+    with pytest.raises(ConfigurationError, match=r"cuda-13_0-pypi\]: 'image' is only for kind = \"image\""):
+        tg.load(write(tmp_path, text))
 
 
 def test_unknown_target_suggests_the_closest():

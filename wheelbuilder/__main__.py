@@ -3,7 +3,7 @@
     python -m wheelbuilder list
     python -m wheelbuilder build --target cu130-sm120 [--arch 12.0] [--python 3.12] [--out DIR] [--dry-run]
     python -m wheelbuilder audit --target cu130-sm120 dist/wheels/cu130-sm120/*.whl
-    python -m wheelbuilder lock
+    python -m wheelbuilder lock [--target cu128-sm120-torch2.11]
     python -m wheelbuilder prepare-toolkit      (inside the builder stage: pip CUDA layout -> CUDA_HOME)
 """
 
@@ -16,8 +16,7 @@ from pathlib import Path
 
 from . import targets as tg
 from .errors import FatalError, run_cli
-
-DIST = tg.REPO_ROOT / "dist" / "wheels"
+from .fsutil import DIST_WHEELS, REPO_ROOT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
 
     lk = sub.add_parser("lock", help="regenerate locks/ from targets.toml and locks/*.in (needs uv)")
     lk.add_argument("--only", default=None, help="one lock folder (e.g. cu130) or 'dev'")
+    lk.add_argument("--target", default=None,
+                    help="lock this target's torch, also from a non-PyPI index (default: every PyPI torch and dev)")
 
     sub.add_parser("prepare-toolkit", help="make NVIDIA's pip CUDA wheels usable as CUDA_HOME and print it")
     return p
@@ -89,7 +90,7 @@ def main_inner(argv: list[str] | None = None) -> int:
             target = tg.with_arches(target, args.arch)
         if args.python:
             target = tg.with_python(target, args.python)
-        out = args.out or DIST / target.name
+        out = args.out or DIST_WHEELS / target.name
         build_target(target, out, build_root=args.build_dir, log_dir=args.log_dir, dry_run=args.dry_run)
         return 0
     if args.command == "audit":
@@ -109,8 +110,8 @@ def main_inner(argv: list[str] | None = None) -> int:
     if args.command == "lock":
         from .lock import lock_all
 
-        for path in lock_all(catalog, args.only):
-            print(f"wrote {path.relative_to(tg.REPO_ROOT)}")
+        for path in lock_all(catalog, args.only, args.target):
+            print(f"wrote {path.relative_to(REPO_ROOT)}")
         return 0
     if args.command == "prepare-toolkit":
         from .toolkit import find_cuda_home, pip_cuda_home, prepare_pip_cuda_home

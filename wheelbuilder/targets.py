@@ -22,13 +22,13 @@ from .fsutil import REPO_ROOT
 # A checkout's own targets.toml; an installed copy (the runtime image) points here with DFLASH_TARGETS_FILE.
 DEFAULT_TARGETS_FILE = Path(os.environ.get("DFLASH_TARGETS_FILE", REPO_ROOT / "targets.toml"))
 
-# First CUDA release whose nvcc compiles SASS for each arch (NVIDIA's CUDA release notes), and the
-# last release that still does (CUDA 13.0 dropped everything before Turing).
+# First CUDA release whose nvcc compiles SASS for each arch (NVIDIA's CUDA release notes). All of them
+# still compile with CUDA 13, which dropped only arches before Turing (7.5), so no upper bound is kept.
 ARCH_MIN_CUDA: dict[str, str] = {
     "7.5": "10.0", "8.0": "11.0", "8.6": "11.1", "8.7": "11.4", "8.9": "11.8", "9.0": "11.8",
     "10.0": "12.8", "10.3": "12.9", "11.0": "13.0", "12.0": "12.8", "12.1": "12.9",
 }
-ARCH_MAX_CUDA_MAJOR: dict[str, int] = {}  # none of the arches above is dropped up to CUDA 13
+PYPI_INDEX = "https://pypi.org/simple"
 
 
 def did_you_mean(word: str, choices) -> str:
@@ -83,8 +83,9 @@ class Arch:
 
 
 @dataclass(frozen=True)
-class Toolkit:
-    """Where nvcc comes from for a target."""
+class ToolkitSpec:
+    """A [toolkits.*] table of targets.toml: where a target's nvcc comes from, as declared (what is
+    found on a machine is toolkit.DetectedToolchain)."""
 
     name: str
     kind: str  # "image" (CUDA devel image) or "pypi" (NVIDIA's wheels on a Debian base)
@@ -93,6 +94,12 @@ class Toolkit:
     runtime_base: str
     python: str
     packages: tuple[str, ...] = ()
+    image: str = ""  # kind "image": the devel image (registry tag) nvcc is copied from
+
+    @property
+    def image_cuda_home(self) -> str:
+        """Where the devel image keeps this CUDA release (/usr/local/cuda-12.8)."""
+        return f"/usr/local/cuda-{self.cuda.major}.{self.cuda.minor}"
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,11 @@ class TorchPin:
     cuda: Version
     index: str
     lock: str  # folder under locks/
+
+    @property
+    def from_pypi(self) -> bool:
+        """Lockable with PyPI alone (plain `make lock`); other indexes are locked only when named."""
+        return self.index.rstrip("/") == PYPI_INDEX
 
     @property
     def minor(self) -> str:
@@ -156,7 +168,7 @@ class Recipe:
 class Target:
     name: str
     description: str
-    toolkit: Toolkit
+    toolkit: ToolkitSpec
     torch: TorchPin
     arches: tuple[Arch, ...]
     recipes: tuple[Recipe, ...]
@@ -190,13 +202,6 @@ class Catalog:
                 + f" Targets in {self.path.name}: {', '.join(sorted(self.targets))}."
             )
         return self.targets[name]
-
-    def recipe(self, key: str) -> Recipe:
-        for t in self.targets.values():
-            for r in t.recipes:
-                if r.key == key:
-                    return r
-        raise ConfigurationError(f"unknown recipe '{key}'.")
 
 
 def _check_keys(table: dict, allowed: set[str], where: str) -> None:
@@ -266,14 +271,15 @@ def load(path: Path | str | None = None) -> Catalog:
     toolkits = {}
     for name, t in data.get("toolkits", {}).items():
         where = f"[toolkits.{name}]"
-        _check_keys(t, {"kind", "cuda", "builder_base", "runtime_base", "python", "packages"}, where)
+        _check_keys(t, {"kind", "cuda", "builder_base", "runtime_base", "python", "packages", "image"}, where)
         kind = _need(t, "kind", where)
         if kind not in ("image", "pypi"):
             raise ConfigurationError(f"{where}: kind must be 'image' or 'pypi', not '{kind}'.")
-        toolkits[name] = Toolkit(
+        toolkits[name] = ToolkitSpec(
             name=name, kind=kind, cuda=_version(_need(t, "cuda", where), where),
             builder_base=_need(t, "builder_base", where), runtime_base=_need(t, "runtime_base", where),
             python=_need(t, "python", where), packages=tuple(t.get("packages", ())),
+            image=_toolkit_image(t, kind, where),
         )
     torches = {}
     for name, t in data.get("torch", {}).items():
@@ -316,6 +322,23 @@ def load(path: Path | str | None = None) -> Catalog:
     catalog = Catalog(path=path, default_target=default, targets=targets)
     catalog.target(default)  # the default must exist
     return catalog
+
+
+def _toolkit_image(t: dict, kind: str, where: str) -> str:
+    """kind "image" names its devel image by tag; the digest is data that `make pin-images` records in
+    locks/images.toml, so it is never written here by hand."""
+    if kind != "image":
+        if "image" in t:
+            raise ConfigurationError(f"{where}: 'image' is only for kind = \"image\" (nvcc from a devel image); "
+                                     f"a {kind} toolkit takes nvcc from its packages.")
+        return ""
+    image = _need(t, "image", where)
+    if "@" in image or ":" not in image.rsplit("/", 1)[-1]:
+        raise ConfigurationError(
+            f"{where}: image '{image}' must be a tag reference like nvidia/cuda:12.8.1-devel-ubuntu24.04, "
+            "without '@sha256:'. Its digest lives in locks/images.toml: record it with `make pin-images`."
+        )
+    return image
 
 
 def check_arches_compilable(arches, cuda: Version, where: str) -> None:
