@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from wheelbuilder.errors import AuditError, BuildError
-from wheelbuilder.manifest import (MANIFEST, Manifest, Toolchain, entry_for, main, read_manifest, verify_wheels,
+from wheelbuilder.__main__ import main_inner as wheelbuilder_cli
+from wheelbuilder.errors import AuditError, BuildError, FatalError
+from wheelbuilder.manifest import (MANIFEST, Manifest, ToolchainRecord, entry_for, read_manifest, verify_wheels,
                                    write_manifest)
 
-TOOLCHAIN = Toolchain(nvcc="13.0.88", torch="2.11.0", python="3.11.2", host_compiler="gcc 12.2.0")
+TOOLCHAIN = ToolchainRecord(nvcc="13.0.88", torch="2.11.0", python="3.11.2", host_compiler="gcc 12.2.0")
 
 
 def make_entry(folder: Path, filename: str, payload: bytes = b"wheel bytes", recipe: str = "causal-conv1d"):
@@ -78,7 +79,8 @@ def test_verify_catches_a_changed_byte(tmp_path):
     (tmp_path / A).write_bytes(b"wheel bytez")  # same size, one byte differs
     (problem,) = verify_wheels(tmp_path)
     assert problem.startswith(f"{A}: manifest.json records 11 bytes sha256") and "changed after the build" in problem
-    assert main([str(tmp_path)]) == 1
+    with pytest.raises(FatalError, match="changed after the build"):
+        wheelbuilder_cli(["verify", "--dir", str(tmp_path)])
 
 
 def test_verify_catches_missing_and_unlisted_wheels(tmp_path):
@@ -106,10 +108,11 @@ def test_missing_or_malformed_manifest(tmp_path, capsys):
     assert "lists no wheels" in verify_wheels(tmp_path)[0]
 
 
-def test_cli_reports_success(tmp_path, capsys):
-    write_manifest(tmp_path, [make_entry(tmp_path, A)])
-    assert main([str(tmp_path)]) == 0
-    assert "1 wheel(s) match manifest.json" in capsys.readouterr().out
+def test_verify_command_reports_each_wheel(tmp_path, capsys):
+    entry = make_entry(tmp_path, A)
+    write_manifest(tmp_path, [entry])
+    assert wheelbuilder_cli(["verify", "--dir", str(tmp_path)]) == 0
+    assert f"ok  {entry.sha256}  {A}" in capsys.readouterr().out
 
 
 def test_a_failed_write_leaves_the_old_manifest_whole(tmp_path, monkeypatch):

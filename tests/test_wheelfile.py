@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from wheelbuilder.errors import AuditError, BuildError
+from wheelbuilder.fsutil import sha256_file
 from wheelbuilder.targets import load
 from wheelbuilder.wheelfile import (BUILD_INFO, build_info, read_build_info, record_hash, repack_deterministic,
-                                    verify_record, wheel_sha256, zip_date_time)
+                                    verify_record, zip_date_time)
 
 NAME = "dummy_pkg-1.0-py3-none-any.whl"
 DIST_INFO = "dummy_pkg-1.0.dist-info"
@@ -58,18 +59,18 @@ def two_sources(tmp_path) -> tuple[Path, Path]:
 
 def test_same_content_gives_identical_bytes(two_sources, tmp_path):
     a, b = two_sources
-    assert wheel_sha256(a) != wheel_sha256(b)
+    assert sha256_file(a) != sha256_file(b)
     extra = {BUILD_INFO: b'{"torch": "2.11.0"}\n'}
     out_a = repack_deterministic(a, tmp_path / "out_a", extra_files=extra, source_date_epoch=EPOCH)
     out_b = repack_deterministic(b, tmp_path / "out_b", extra_files=extra, source_date_epoch=EPOCH)
     assert out_a.name == out_b.name == NAME
-    assert wheel_sha256(out_a) == wheel_sha256(out_b)
+    assert sha256_file(out_a) == sha256_file(out_b)
     # repacking a repacked wheel changes nothing
     again = repack_deterministic(out_a, tmp_path / "again", extra_files=extra, source_date_epoch=EPOCH)
     assert again.read_bytes() == out_a.read_bytes()
     # a different epoch or content gives a different archive
     other = repack_deterministic(a, tmp_path / "other", extra_files=extra, source_date_epoch=EPOCH + 10)
-    assert wheel_sha256(other) != wheel_sha256(out_a)
+    assert sha256_file(other) != sha256_file(out_a)
 
 
 def test_layout_timestamps_and_modes(two_sources, tmp_path):

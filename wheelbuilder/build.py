@@ -18,9 +18,9 @@ from pathlib import Path
 from . import recipes as rcp
 from .cmd import echo, run
 from .errors import BuildError
-from .fsutil import exclusive, source_date_epoch
+from .fsutil import exclusive, sha256_file, source_date_epoch
 from .targets import Recipe, Target
-from .toolkit import Toolchain, check_toolchain, pip_cuda_home, plan_jobs, prepare_pip_cuda_home
+from .toolkit import DetectedToolchain, check_toolchain, pip_cuda_home, plan_jobs, prepare_pip_cuda_home
 from .toolkit import system_packages as distro_packages
 
 DEFAULT_BUILD_ROOT = Path("/tmp/wheelbuilder")
@@ -50,7 +50,7 @@ class Plan:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def make_plan(target: Target, out_dir: Path, build_root: Path, toolchain: Toolchain) -> Plan:
+def make_plan(target: Target, out_dir: Path, build_root: Path, toolchain: DetectedToolchain) -> Plan:
     jobs, threads = plan_jobs(files=4)
     return Plan(
         target=target.name, recipes=[f"{r.name} {r.version}" for r in target.recipes],
@@ -91,7 +91,7 @@ class _Progress:
         self.bar.close()
 
 
-def compile_recipe(recipe: Recipe, target: Target, toolchain: Toolchain, plan: Plan, src: Path, stage: Path,
+def compile_recipe(recipe: Recipe, target: Target, toolchain: DetectedToolchain, plan: Plan, src: Path, stage: Path,
                    log: Path) -> Path:
     """pip wheel --no-build-isolation --no-deps in the patched tree; returns the raw wheel."""
     env = dict(os.environ)
@@ -153,7 +153,7 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
             echo(f"prepared {toolchain.cuda_home}: {made}")
     from . import manifest
     from .audit import audit_wheel
-    from .wheelfile import build_info, repack_deterministic, wheel_sha256
+    from .wheelfile import build_info, repack_deterministic
 
     log_dir = log_dir or out_dir
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -186,11 +186,11 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
             record = manifest.entry_for(
                 final, recipe=recipe.name, recipe_version=recipe.version, source_url=recipe.url,
                 source_sha256=recipe.sha256, target=target.name, arches=report.arches,
-                toolchain=manifest.Toolchain(nvcc=str(toolchain.nvcc_version), torch=toolchain.torch_version,
+                toolchain=manifest.ToolchainRecord(nvcc=str(toolchain.nvcc_version), torch=toolchain.torch_version,
                                              python=platform.python_version(), host_compiler=toolchain.cxx,
                                              system_packages=system_packages),
                 build_seconds=round(time.monotonic() - started, 1), source_date_epoch=plan.source_date_epoch)
             manifest.write_manifest(out_dir, [record])
-            echo(f"wrote {final.name}  {final.stat().st_size / 1e6:.1f} MB  sha256 {wheel_sha256(final)}")
+            echo(f"wrote {final.name}  {final.stat().st_size / 1e6:.1f} MB  sha256 {sha256_file(final)}")
             entries.append(record)
     return entries

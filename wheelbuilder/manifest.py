@@ -5,30 +5,27 @@
         manifest.json     {"format": 1, "wheels": [{filename, size, sha256, recipe, ..., arches, toolchain}]}
 
 The build adds one entry per wheel (`write_manifest`, merged with what is there); the runtime image
-build refuses wheels that do not match it (`verify_wheels`, or `python -m wheelbuilder.manifest DIR`).
+build refuses wheels that do not match it (`verify_wheels`, or `python -m wheelbuilder verify --dir DIR`).
 The file is deterministic: sorted keys, wheels sorted by file name, no time stamps beyond the
 recorded build time and SOURCE_DATE_EPOCH; it is replaced atomically (temp file + os.replace).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import AuditError, BuildError
-from .fsutil import atomic_write
-from .wheelfile import wheel_sha256
+from .fsutil import atomic_write, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 
 
 @dataclass(frozen=True)
-class Toolchain:
-    """Versions of what built the wheel (strings as the tools print them)."""
+class ToolchainRecord:
+    """Versions of what built the wheel, as recorded in the manifest (strings as the tools print them)."""
 
     nvcc: str  # "13.0.88"
     torch: str  # "2.11.0"
@@ -51,7 +48,7 @@ class WheelEntry:
     source_sha256: str  # its hex sha256
     target: str  # target name, e.g. "cu130-sm120"
     arches: dict[str, list[int]]  # found by the audit: {"sass": [120], "ptx": []}
-    toolchain: Toolchain
+    toolchain: ToolchainRecord
     build_seconds: float  # wall time of the compile
     source_date_epoch: int  # the zip timestamps of the wheel (seconds since 1970)
 
@@ -65,7 +62,7 @@ class WheelEntry:
                 "The manifest was written by another version or edited by hand; rebuild the wheels (make wheels)."
             )
         try:
-            return cls(**{**d, "toolchain": Toolchain(**d["toolchain"])})
+            return cls(**{**d, "toolchain": ToolchainRecord(**d["toolchain"])})
         except TypeError as e:
             raise AuditError(f"{where}: toolchain record is malformed ({e}); "
                              "rebuild the wheels (make wheels).") from None
@@ -86,7 +83,7 @@ class Manifest:
 def entry_for(wheel: Path | str, **fields_) -> WheelEntry:
     """A WheelEntry for a wheel on disk: filename, size and sha256 come from the file itself."""
     wheel = Path(wheel)
-    return WheelEntry(filename=wheel.name, size=wheel.stat().st_size, sha256=wheel_sha256(wheel), **fields_)
+    return WheelEntry(filename=wheel.name, size=wheel.stat().st_size, sha256=sha256_file(wheel), **fields_)
 
 
 def read_manifest(directory: Path | str) -> Manifest:
@@ -111,7 +108,7 @@ def _check_entry_matches_file(directory: Path, entry: WheelEntry) -> None:
     if not wheel.is_file():
         raise BuildError(f"manifest entry for {entry.filename}, but no such wheel in {directory}; "
                          "write the wheel into that folder before recording it.")
-    size, sha = wheel.stat().st_size, wheel_sha256(wheel)
+    size, sha = wheel.stat().st_size, sha256_file(wheel)
     if (size, sha) != (entry.size, entry.sha256):
         raise BuildError(f"manifest entry for {entry.filename} says {entry.size} bytes sha256 {entry.sha256}, "
                          f"the file is {size} bytes sha256 {sha}; record the wheel after its final repack "
@@ -153,7 +150,7 @@ def verify_wheels(directory: Path | str) -> list[str]:
             problems.append(f"{w.filename} is listed in {MANIFEST} but missing from {directory}; "
                             "rebuild it (make wheels).")
             continue
-        size, sha = wheel.stat().st_size, wheel_sha256(wheel)
+        size, sha = wheel.stat().st_size, sha256_file(wheel)
         if (size, sha) != (w.size, w.sha256):
             problems.append(f"{w.filename}: {MANIFEST} records {w.size} bytes sha256 {w.sha256}, the file is "
                             f"{size} bytes sha256 {sha}: it changed after the build; rebuild it (make wheels).")
@@ -161,23 +158,3 @@ def verify_wheels(directory: Path | str) -> list[str]:
     for extra in sorted(p.name for p in directory.glob("*.whl") if p.name not in listed):
         problems.append(f"{extra} is in {directory} but not in {MANIFEST}; remove it or rebuild (make wheels).")
     return problems
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m wheelbuilder.manifest DIR...`: verify wheels against their manifest.json (exit 1 on problems)."""
-    parser = argparse.ArgumentParser(prog="python -m wheelbuilder.manifest", description=main.__doc__)
-    parser.add_argument("dirs", nargs="+", type=Path, help="folders holding wheels and manifest.json")
-    args = parser.parse_args(argv)
-    bad = 0
-    for d in args.dirs:
-        problems = verify_wheels(d)
-        for p in problems:
-            print(f"{d}: {p}", file=sys.stderr)
-        if not problems:
-            print(f"{d}: {len(read_manifest(d).wheels)} wheel(s) match {MANIFEST}")
-        bad += bool(problems)
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,7 +28,9 @@ MEM_PER_JOB = 3 * GIB
 
 
 @dataclass(frozen=True)
-class Toolchain:
+class DetectedToolchain:
+    """The toolchain found on this machine and checked against a target (check_toolchain)."""
+
     cuda_home: Path
     nvcc_version: Version
     torch_version: str
@@ -147,7 +149,7 @@ def installed_torch() -> tuple[str, Version | None]:
     return torch.__version__, Version(torch.version.cuda) if torch.version.cuda else None
 
 
-def check_toolchain(target: Target, cuda_candidates: list[Path] | None = None) -> Toolchain:
+def check_toolchain(target: Target, cuda_candidates: list[Path] | None = None) -> DetectedToolchain:
     """Every check that can fail before the expensive part; returns the resolved toolchain."""
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     if py != target.python:
@@ -186,7 +188,7 @@ def check_toolchain(target: Target, cuda_candidates: list[Path] | None = None) -
                 f"nvcc {nvcc} at {home} cannot compile arch {arch} (needs CUDA >= {arch.min_cuda()}). "
                 "Use a newer toolkit or drop the arch."
             )
-    return Toolchain(home, nvcc, torch_version, torch_cuda, py, cxx_version())
+    return DetectedToolchain(home, nvcc, torch_version, torch_cuda, py, cxx_version())
 
 
 def mem_available() -> int:

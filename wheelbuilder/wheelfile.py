@@ -42,12 +42,6 @@ SIGNATURES = ("RECORD.jws", "RECORD.p7s")  # signatures of the old RECORD: inval
 EXECUTABLE = re.compile(r"(\.so(\.\d+)*$)|(^[^/]+\.data/scripts/)")
 
 
-def wheel_sha256(path: Path | str) -> str:
-    """Hex sha256 of a file (streamed)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def record_hash(data: bytes) -> str:
     """The RECORD spelling of a digest: `sha256=` + urlsafe base64 without padding."""
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode("ascii")
