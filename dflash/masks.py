@@ -1,7 +1,10 @@
 """The drafter's attention mask: which block token may look at which context position or block token.
 
 Layout. Queries are the block tokens only; keys/values are the T context features followed by the
-same block tokens. Example: T = 6 context positions, N = 2 blocks of bs = 3, anchors a0 = 2, a1 = 4:
+same block tokens. Token k of the block anchored at a sits at absolute position p = a + k; context
+position j sits at j. Example: T = 6 context positions, N = 2 blocks of bs = 3, anchors a0 = 2, a1 = 4.
+
+full_attention layers (the default):
 
                         keys/values ->
                         context (T=6)         block 0    block 1
@@ -13,13 +16,26 @@ same block tokens. Example: T = 6 context positions, N = 2 blocks of bs = 3, anc
                   b1    x  x  x  x  .  .      .  .  .    x  x  x
                   b2    x  x  x  x  .  .      .  .  .    x  x  x
 
+sliding_attention layers, window W = 3 (a query at p sees keys at positions p-W+1 .. p):
+
+                        0  1  2  3  4  5      b0 b1 b2   b0 b1 b2
+             blk1 b0    .  .  x  x  .  .      .  .  .    x  .  .      p = 4: keys 2..4
+                  b1    .  .  .  x  .  .      .  .  .    x  x  .      p = 5: keys 3..5
+                  b2    .  .  .  .  .  .      .  .  .    x  x  x      p = 6: keys 4..6
+
 Rules (x = may attend):
   1. block n, anchored at position a_n, sees context position j only if j < a_n (strictly: the anchor's
      own target state would leak the label of block position 1) and context_valid[j];
-  2. inside a block attention is bidirectional: every token sees all bs tokens of its own block;
+  2. full_attention: inside a block attention is bidirectional: every token sees all bs tokens of its block;
   3. blocks never see each other;
   4. an invalid anchor (anchor_valid False: padding of the anchor list) sees only its own block, so its
-     rows stay finite (no all-masked softmax row) and its outputs are ignored by the loss.
+     rows stay finite (no all-masked softmax row) and its outputs are ignored by the loss;
+  5. sliding_attention (window W): rules 1, 3 and 4 hold, and a query at position p = a_n + k only sees
+     keys at positions p-W+1 .. p, so inside the block it is causal (block token kk only if kk <= k)
+     and the context is cut to j >= p-W+1. This is the window of HF `sliding_window` (it counts the
+     query itself) and what the serving engines run for a `sliding_attention` draft layer: SGLang
+     models/dflash.py (causal DECODER attention, window_left = sliding_window - 1), vLLM
+     qwen3_dflash.py (causal iff sliding), SpecForge's DFlash training mask.
 """
 
 from __future__ import annotations
@@ -33,17 +49,21 @@ def drafter_attention_mask(
     block_size: int,
     context_valid: torch.Tensor | None = None,
     anchor_valid: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Boolean mask [B, N*bs, T + N*bs], True = may attend (rules in the module docstring).
 
-    anchors:       [B,N] long, the anchor position of each block (0 <= a < T for valid anchors)
-    T:             number of context positions
-    block_size:    bs, tokens per block
-    context_valid: [B,T] bool (False on padding), or None = all valid
-    anchor_valid:  [B,N] bool, or None = all valid
+    anchors:        [B,N] long, the anchor position of each block (0 <= a < T for valid anchors)
+    T:              number of context positions
+    block_size:     bs, tokens per block
+    context_valid:  [B,T] bool (False on padding), or None = all valid
+    anchor_valid:   [B,N] bool, or None = all valid
+    sliding_window: W for a sliding_attention layer (keys at p-W+1 .. p), None for full_attention
     """
     if anchors.dim() != 2:
         raise ValueError(f"anchors must be [B,N], got shape {tuple(anchors.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 (it counts the query itself), got {sliding_window}")
     B, N = anchors.shape
     device = anchors.device
     if context_valid is None:
@@ -62,7 +82,17 @@ def drafter_attention_mask(
     sees_context = sees_context.repeat_interleave(block_size, dim=1)              # [B,N*bs,T]
 
     # Block part [N*bs,N*bs]: block-diagonal, the same for every sequence.
-    block_of = torch.arange(N * block_size, device=device) // block_size
-    sees_block = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(B, -1, -1)  # [B,N*bs,N*bs]
+    row = torch.arange(N * block_size, device=device)
+    block_of, offset = row // block_size, row % block_size
+    sees_block = block_of.view(-1, 1) == block_of.view(1, -1)                     # [N*bs,N*bs]
 
-    return torch.cat([sees_context, sees_block], dim=-1)
+    if sliding_window is not None:
+        W = sliding_window
+        # Query position p = anchor + k; context j visible only from p-W+1 on.
+        p = (anchors.unsqueeze(-1) + torch.arange(block_size, device=device)).reshape(B, N * block_size)
+        sees_context = sees_context & (j.view(1, 1, T) >= p.unsqueeze(-1) - (W - 1))
+        # Inside the block: causal, and at most W-1 tokens back (k - kk < W).
+        back = offset.view(-1, 1) - offset.view(1, -1)
+        sees_block = sees_block & (back >= 0) & (back < W)
+
+    return torch.cat([sees_context, sees_block.expand(B, -1, -1)], dim=-1)
