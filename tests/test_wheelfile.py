@@ -180,7 +180,7 @@ def test_a_failed_write_leaves_the_old_wheel_whole(two_sources, tmp_path, monkey
     def disk_full(*_args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("wheelbuilder.wheelfile.os.replace", disk_full)
+    monkeypatch.setattr("wheelbuilder.fsutil.os.replace", disk_full)
     with pytest.raises(OSError, match="No space left"):
         repack_deterministic(two_sources[1], out.parent, extra_files={"x": b"1"}, source_date_epoch=EPOCH)
     assert out.read_bytes() == before and [p.name for p in out.parent.iterdir()] == [NAME]

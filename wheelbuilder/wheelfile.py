@@ -23,9 +23,7 @@ import csv
 import hashlib
 import io
 import json
-import os
 import re
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -33,6 +31,7 @@ from pathlib import Path
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from .errors import AuditError, BuildError
+from .fsutil import atomic_write
 
 BUILD_INFO = "wheelbuilder.json"  # written into the dist-info by the build, read back by the audit
 COMPRESSLEVEL = 6
@@ -167,7 +166,7 @@ def repack_deterministic(src_wheel: Path | str, dest_dir: Path | str, *, extra_f
     """Rewrite `src_wheel` into `dest_dir` (same file name) as a byte-reproducible archive.
 
     `extra_files` ({name: bytes}) are added to (or replace files in) the .dist-info folder. The new
-    wheel is written to a temporary name in `dest_dir` and moved into place with os.replace, so a
+    wheel is written to a temporary name in `dest_dir` and moved into place (fsutil.atomic_write), so a
     reader never sees half a wheel. `src_wheel` may be the destination itself. Returns the new path.
     """
     src, dest_dir = Path(src_wheel), Path(dest_dir)
@@ -182,22 +181,11 @@ def repack_deterministic(src_wheel: Path | str, dest_dir: Path | str, *, extra_f
     csv.writer(out, lineterminator="\n").writerows(rows)
     contents[record_name] = out.getvalue().encode("utf-8")
 
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / src.name
-    fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{src.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            with zipfile.ZipFile(f, "w") as zf:
-                for name in _archive_order(list(contents), dist_info):
-                    zf.writestr(_zipinfo(name, date_time), contents[name], compresslevel=COMPRESSLEVEL)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dest
+    archive = io.BytesIO()  # the contents are in memory already; the compressed copy is smaller
+    with zipfile.ZipFile(archive, "w") as zf:
+        for name in _archive_order(list(contents), dist_info):
+            zf.writestr(_zipinfo(name, date_time), contents[name], compresslevel=COMPRESSLEVEL)
+    return atomic_write(dest_dir / src.name, archive.getvalue())
 
 
 def read_build_info(wheel: Path | str) -> dict | None:
