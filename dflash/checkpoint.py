@@ -20,11 +20,9 @@ untouched.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -194,35 +192,3 @@ def check_compatible(checkpoint: Path, drafter_config: dict, data_fingerprint: s
             "same --data and --max-length, or start a new run without --resume."
         )
 
-
-# --- heartbeat -------------------------------------------------------------------------------------
-class Heartbeat:
-    """Rate-limited trainer heartbeat for the image's health check (format: dflash.healthcheck).
-
-    Written atomically at most every `every` seconds to $DFLASH_HEARTBEAT (default
-    /tmp/dflash/heartbeat); `finish()` marks a deliberate end so a silent trainer is not "stalled".
-    """
-
-    def __init__(self, path: Path | None = None, every: float = 5.0):
-        from .healthcheck import heartbeat_path
-
-        self.path = Path(path) if path else heartbeat_path()
-        self.every = every
-        self._last = float("-inf")
-
-    def beat(self, step: int, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last >= self.every:
-            self._last = now
-            self._write(step, finished=False)
-
-    def finish(self, step: int) -> None:
-        self._write(step, finished=True)
-
-    def _write(self, step: int, finished: bool) -> None:
-        from .healthcheck import write_heartbeat
-
-        try:
-            write_heartbeat(step, self.path, finished=finished)
-        except OSError as exc:  # a read-only /tmp must not stop training; the health check sees no beat
-            logging.getLogger("dflash.train").warning("cannot write the heartbeat %s: %s", self.path, exc)

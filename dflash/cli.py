@@ -263,11 +263,15 @@ def run_demo(config: TrainConfig) -> int:
 
 
 # --- dflash ----------------------------------------------------------------------------------------
-def _delegate(module: str, argv: list[str]) -> int:
-    """doctor / healthcheck live in their own modules; import lazily (they must work without a GPU)."""
+# The subcommands of the doctor package: imported lazily, they must work without a GPU.
+DOCTOR_COMMANDS = {"doctor": "dflash.doctor.run", "healthcheck": "dflash.doctor.healthcheck",
+                   "entrypoint": "dflash.doctor.entrypoint"}
+
+
+def _delegate(command: str, argv: list[str]) -> int:
     import importlib
 
-    return int(importlib.import_module(f"dflash.{module}").main(argv) or 0)
+    return int(importlib.import_module(DOCTOR_COMMANDS[command]).main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return eval_main(rest)
     if cmd == "regenerate":
         return _guard(_regenerate, rest)
-    if cmd in ("doctor", "healthcheck", "entrypoint"):
+    if cmd in DOCTOR_COMMANDS:
         return _delegate(cmd, rest)
     print(f"error: unknown command '{cmd}'.\n{usage}", file=sys.stderr)
     return 2

@@ -13,7 +13,8 @@ transformers 5.15+ resolves each GatedDeltaNet kernel function (`chunk_gated_del
 import, to the installed package (fla, causal-conv1d) or to its torch reference. 5.24 does not look at
 the device, so with fla installed a CPU forward reaches Triton and dies ("0 active drivers"); 5.25
 added the device check. `route_kernels_by_device` applies the same rule here: CUDA tensors take the
-resolved kernel, anything else the torch reference. `kernel_report` says which one each function gets.
+resolved kernel, anything else the torch reference. `kernel_report` says which one each function gets;
+`kernel_functions` is the one reader of that dispatch, also used by the doctor's dispatch check.
 """
 
 from __future__ import annotations
@@ -93,11 +94,17 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 class KernelFunction:
     """One function transformers resolved through `use_kernel_func_from_hub_with_fallback`."""
 
-    name: str             # the kernel's own name, e.g. "chunk_gated_delta_rule"
-    attr: str             # the module attribute holding it, e.g. "torch_chunk_gated_delta_rule"
-    package: str          # where the fast one comes from: "fla" or "causal_conv1d"
-    fast: bool            # True when it resolved to the package's kernel, not the torch reference
-    torch_function: Callable
+    name: str                 # the kernel's own name, e.g. "chunk_gated_delta_rule"
+    attr: str                 # the module attribute holding it, e.g. "torch_chunk_gated_delta_rule"
+    package: str              # where the fast one comes from: "fla" or "causal_conv1d"
+    fast: bool                # True when it resolved to the package's kernel, not the torch reference
+    implementation: Callable  # what the wrapper calls: the package's kernel, or torch_function
+    torch_function: Callable  # the torch reference
+
+
+# The free variables of transformers' fallback wrapper (integrations/hub_kernels.py, 5.24) that say
+# what it resolved; a wrapper without all of them is not one this code knows how to read.
+_WRAPPER_CELLS = frozenset({"func_name", "package", "implementation", "torch_function"})
 
 
 def _closure(fn: Callable) -> dict:
@@ -106,19 +113,28 @@ def _closure(fn: Callable) -> dict:
 
 
 def _kernel_wrapper_state(fn: Callable) -> dict | None:
-    """The closure of transformers' fallback wrapper inside `fn` (following __wrapped__), or None."""
+    """The closure of transformers' fallback wrapper inside `fn`, following `__wrapped__` through
+    outer wrappers (a hub-kernels decorator, or `_device_router`), or None."""
     seen = 0
     while fn is not None and seen < 8:
         if inspect.isfunction(fn):
             state = _closure(fn)
-            if {"implementation", "torch_function", "func_name"} <= state.keys():
+            if _WRAPPER_CELLS <= state.keys():
                 return state
         fn, seen = getattr(fn, "__wrapped__", None), seen + 1
     return None
 
 
 def kernel_functions(module: ModuleType) -> list[KernelFunction]:
-    """Every per-function kernel dispatch point a transformers modeling module defines."""
+    """Every per-function kernel dispatch point a transformers modeling module defines.
+
+    transformers 5.24 wraps each with `use_kernel_func_from_hub_with_fallback(func_name, package)`,
+    which picks the implementation ONCE, when the model module is imported: the function in
+    `importlib.import_module(package)`, else the torch reference. The choice lives in the wrapper's
+    closure; at call time a fallback only logs "`{func}` is falling back to its reference PyTorch
+    implementation". Reading the closure tells the same without running a kernel, so it works on a
+    machine without a GPU.
+    """
     found = []
     for attr, value in sorted(vars(module).items()):
         if not callable(value):
@@ -127,9 +143,9 @@ def kernel_functions(module: ModuleType) -> list[KernelFunction]:
         if state is None:
             continue
         found.append(KernelFunction(
-            name=state["func_name"], attr=attr, package=state.get("package", "?"),
+            name=state["func_name"], attr=attr, package=state["package"],
             fast=state["implementation"] is not state["torch_function"],
-            torch_function=state["torch_function"],
+            implementation=state["implementation"], torch_function=state["torch_function"],
         ))
     return found
 

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import checkpoint as ckpt
 from . import distributed
 from .config import ConfigError, TrainConfig, atomic_write_text
+from .doctor.heartbeat import Heartbeat
 from .losses import LOSS_CHUNK_ROWS
 
 log = logging.getLogger("dflash.train")
@@ -280,7 +281,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, config.warmup_ratio))
         self.step = 0
-        self.heartbeat = ckpt.Heartbeat(every=config.heartbeat_every) if d.is_main else None
+        self.heartbeat = Heartbeat(every=config.heartbeat_every) if d.is_main else None
 
     # --- resume ------------------------------------------------------------------------------------
     def restore(self) -> Path | None:

@@ -1,10 +1,9 @@
 """Checkpoints: atomic writes (a failed write leaves the previous one intact), weights_only loading,
-refusal to resume against another target / drafter shape / data, pruning, heartbeat."""
+refusal to resume against another target / drafter shape / data, pruning."""
 
 from __future__ import annotations
 
 import errno
-import json
 
 import pytest
 import torch
@@ -131,15 +130,3 @@ def test_export_drafter_replaces_the_previous_copy(tmp_path):
     ckpt.export_drafter(second, dest)
     assert (dest / "model.safetensors").read_bytes() == (second / "drafter" / "model.safetensors").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "drafter"]
-
-
-def test_heartbeat_is_rate_limited_and_marks_the_end(tmp_path):
-    hb = ckpt.Heartbeat(tmp_path / "hb" / "heartbeat", every=3600)
-    hb.beat(1)
-    hb.beat(2)  # within the interval: not written
-    data = json.loads(hb.path.read_text())
-    assert data["step"] == 1 and "time" in data and "finished" not in data
-    hb.beat(3, force=True)
-    assert json.loads(hb.path.read_text())["step"] == 3
-    hb.finish(4)
-    assert json.loads(hb.path.read_text()) | {"time": 0, "pid": 0} == {"step": 4, "finished": True, "time": 0, "pid": 0}

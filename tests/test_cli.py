@@ -87,7 +87,7 @@ def test_dflash_without_a_command_prints_usage(capsys):
 
 def test_subcommands_reach_the_health_check_even_through_dflash_train(tmp_path, capsys):
     """`docker run dflash-train healthcheck` runs `dflash-train healthcheck`: it must reach
-    dflash.healthcheck.main, which reports a missing doctor verdict as unhealthy (exit 1)."""
+    dflash.doctor.healthcheck.main, which reports a missing doctor verdict as unhealthy (exit 1)."""
     args = ["--report", str(tmp_path / "none.json"), "--heartbeat", str(tmp_path / "hb")]
     assert train_main(["healthcheck", *args]) == 1
     assert "doctor has not finished" in capsys.readouterr().out

@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import doctor
-from dflash import doctor_checks as dc
-from dflash import doctor_numerics as dn
-from dflash.doctor_report import FAIL, PASS, SKIP, CheckResult, Report, render_table, write_json_atomic
+from dflash.doctor import checks as dc
+from dflash.doctor import numerics as dn
+from dflash.doctor import run as doctor
+from dflash.doctor.report import FAIL, PASS, SKIP, CheckResult, Report, render_table
+from dflash.target import kernel_functions
 
 REPO = Path(__file__).resolve().parent.parent
 NVCC = "/usr/local/cuda/bin/nvcc"
@@ -125,15 +126,61 @@ def test_table_is_aligned_and_names_failures():
 def test_json_schema_and_atomic_write(tmp_path):
     report = Report([CheckResult("versions", PASS, "ok", details={"torch": "2.11.0"}),
                      CheckResult("import", FAIL, "undefined symbol")], quick=True)
-    path = write_json_atomic(tmp_path / "sub" / "doctor.json", report.to_dict())
+    path = report.save(tmp_path / "sub" / "doctor.json")
     data = json.loads(path.read_text())
     assert set(data) == {"schema", "ok", "created", "quick", "failed", "checks"}
     assert data["schema"] == 1 and data["ok"] is False and data["quick"] is True and data["failed"] == ["import"]
     for c in data["checks"]:
         assert set(c) == {"name", "status", "required", "reason", "details", "seconds"}
-    write_json_atomic(path, {"replaced": True})
-    assert json.loads(path.read_text()) == {"replaced": True}
+    Report([CheckResult("versions", PASS, "ok")]).save(path)
+    assert json.loads(path.read_text())["ok"] is True
     assert [p.name for p in path.parent.iterdir()] == ["doctor.json"]  # no temp file left behind
+
+
+@pytest.fixture
+def canned_checks(monkeypatch):
+    """The checks replaced by a fixed verdict: these tests are about --save, not about this machine."""
+    report = Report([CheckResult("versions", PASS, "ok"), CheckResult("import", FAIL, "undefined symbol")])
+    monkeypatch.setattr(doctor, "run_checks", lambda opts, progress=None: report)
+    return report
+
+
+def test_save_writes_the_verdict_and_keeps_the_exit_code(tmp_path, canned_checks, capsys):
+    path = tmp_path / "state" / "doctor.json"
+    assert doctor.main(["--save", str(path)]) == 1
+    assert json.loads(path.read_text())["failed"] == ["import"]
+    assert "verdict: UNHEALTHY, failed: import" in capsys.readouterr().out
+    assert [p.name for p in path.parent.iterdir()] == ["doctor.json"]  # the probe left nothing behind
+
+
+@pytest.mark.parametrize("where,fix", [("under a file", "make {parent} a writable directory"),
+                                       ("a directory", "name a file, e.g. --save {path}/doctor.json")])
+def test_save_to_an_unwritable_path_stops_before_any_check(tmp_path, monkeypatch, capsys, where, fix):
+    monkeypatch.setattr(doctor, "run_checks", lambda *a, **k: pytest.fail("the checks ran"))
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "doctor.json" if where == "under a file" else tmp_path
+    with pytest.raises(SystemExit) as e:
+        doctor.main(["--save", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"--save {path}: cannot write the verdict there" in err
+    assert fix.format(parent=path.parent, path=path) in err
+
+
+def test_save_that_fails_after_the_checks_names_the_path(tmp_path, canned_checks, monkeypatch, capsys):
+    """The directory can go away while the checks run: the report still prints, then a clear error."""
+    state = tmp_path / "state"
+
+    def checks_then_break_the_directory(opts, progress=None):
+        state.rmdir()
+        state.write_text("")  # a file where the directory was
+        return canned_checks
+
+    monkeypatch.setattr(doctor, "run_checks", checks_then_break_the_directory)
+    assert doctor.main(["--save", str(state / "doctor.json")]) == 2
+    out, err = capsys.readouterr()
+    assert "verdict: UNHEALTHY" in out
+    assert f"--save {state / 'doctor.json'}: cannot write the verdict there" in err and str(state) in err
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -322,7 +369,7 @@ def test_dispatch_agrees_with_the_fallback_warning():
         log.removeHandler(handler)
     assert out.shape == (1, 4, 8)
     assert any("`causal_conv1d_fn` is falling back to its reference PyTorch implementation" in m for m in seen)
-    slow = [f["kernel"] for f in dc.dispatched_functions(qwen) if not f["fast"]]
+    slow = [fn.name for fn in kernel_functions(qwen) if not fn.fast]
     assert "causal_conv1d_fn" in slow
 
 
@@ -395,7 +442,7 @@ def test_gated_delta_ref_matches_transformers_torch_reference():
     """An independent implementation: transformers' recurrent torch function (unwrapped), in float32."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
 
-    ref_fn = dc._fallback_closure(qwen.torch_recurrent_gated_delta_rule)["torch_function"]
+    ref_fn = next(fn for fn in kernel_functions(qwen) if fn.attr == "torch_recurrent_gated_delta_rule").torch_function
     torch.manual_seed(2)
     B, T, H, K, V = 2, 13, 3, 8, 5
     q, k, v = torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)

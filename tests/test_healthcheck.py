@@ -1,4 +1,5 @@
-"""`dflash healthcheck`: the saved doctor verdict plus the trainer heartbeat decide the exit code."""
+"""`dflash healthcheck`: the saved doctor verdict plus the trainer heartbeat decide the exit code; the
+trainer's side of the heartbeat."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import time
 
 import pytest
 
-from dflash import doctor, healthcheck
-from dflash.doctor_report import FAIL, PASS, SKIP, CheckResult, Report, write_json_atomic
+from dflash.doctor import healthcheck, heartbeat
+from dflash.doctor import run as doctor
+from dflash.doctor.report import FAIL, PASS, SKIP, CheckResult, Report
 
 
 @pytest.fixture
 def paths(tmp_path, monkeypatch):
     report, beat = tmp_path / "doctor.json", tmp_path / "heartbeat"
     monkeypatch.setenv(healthcheck.REPORT_ENV, str(report))
-    monkeypatch.setenv(healthcheck.HEARTBEAT_ENV, str(beat))
+    monkeypatch.setenv(heartbeat.HEARTBEAT_ENV, str(beat))
     monkeypatch.delenv(healthcheck.MAX_AGE_ENV, raising=False)
     return report, beat
 
@@ -23,7 +25,7 @@ def paths(tmp_path, monkeypatch):
 def save_verdict(path, *failing: str) -> None:
     checks = [CheckResult("versions", PASS, "torch 2.11.0"), CheckResult("numerics", SKIP, "no GPU")]
     checks += [CheckResult(name, FAIL, f"{name} is broken: fix it") for name in failing]
-    write_json_atomic(path, Report(checks).to_dict())
+    Report(checks).save(path)
 
 
 def run(capsys, *argv) -> tuple[int, str]:
@@ -51,14 +53,14 @@ def test_passing_verdict_without_trainer(paths, capsys):
 
 def test_fresh_heartbeat(paths, capsys):
     save_verdict(paths[0])
-    healthcheck.write_heartbeat(42)  # path from DFLASH_HEARTBEAT
+    heartbeat.write_heartbeat(42)  # path from DFLASH_HEARTBEAT
     code, out = run(capsys)
     assert code == 0 and "step 42" in out
 
 
 def test_stale_heartbeat(paths, capsys):
     save_verdict(paths[0])
-    healthcheck.write_heartbeat(7, paths[1], now=time.time() - 900)
+    heartbeat.write_heartbeat(7, paths[1], now=time.time() - 900)
     code, out = run(capsys)
     assert code == 1 and "trainer stalled" in out and "step 7" in out
     code, _ = run(capsys, "--max-age", "3600")
@@ -67,7 +69,7 @@ def test_stale_heartbeat(paths, capsys):
 
 def test_max_age_from_env(paths, capsys, monkeypatch):
     save_verdict(paths[0])
-    healthcheck.write_heartbeat(3, paths[1], now=time.time() - 120)
+    heartbeat.write_heartbeat(3, paths[1], now=time.time() - 120)
     monkeypatch.setenv(healthcheck.MAX_AGE_ENV, "60")
     assert run(capsys)[0] == 1
     monkeypatch.setenv(healthcheck.MAX_AGE_ENV, "soon")
@@ -78,7 +80,7 @@ def test_max_age_from_env(paths, capsys, monkeypatch):
 
 def test_finished_trainer_is_not_stale(paths, capsys):
     save_verdict(paths[0])
-    healthcheck.write_heartbeat(1000, paths[1], finished=True, now=time.time() - 10 ** 6)
+    heartbeat.write_heartbeat(1000, paths[1], finished=True, now=time.time() - 10 ** 6)
     code, out = run(capsys)
     assert code == 0 and "finished at step 1000" in out
 
@@ -97,7 +99,7 @@ def test_stale_heartbeat_of_an_ended_trainer(paths, capsys):
 
 def test_broken_verdict_beats_a_fresh_heartbeat(paths, capsys):
     save_verdict(paths[0], "arch")
-    healthcheck.write_heartbeat(5, paths[1])
+    heartbeat.write_heartbeat(5, paths[1])
     assert run(capsys)[0] == 1
 
 
@@ -117,8 +119,8 @@ def test_corrupt_heartbeat(paths, capsys):
 
 
 def test_heartbeat_write_is_atomic(paths):
-    healthcheck.write_heartbeat(1, paths[1])
-    healthcheck.write_heartbeat(2, paths[1])
+    heartbeat.write_heartbeat(1, paths[1])
+    heartbeat.write_heartbeat(2, paths[1])
     assert json.loads(paths[1].read_text())["step"] == 2
     assert sorted(p.name for p in paths[1].parent.iterdir()) == ["heartbeat"]
 
@@ -132,3 +134,15 @@ def test_real_doctor_verdict_round_trip(paths, capsys):
     assert hc == code
     for name in data["failed"]:
         assert name in out
+
+
+def test_trainer_heartbeat_is_rate_limited_and_marks_the_end(tmp_path):
+    hb = heartbeat.Heartbeat(tmp_path / "hb" / "heartbeat", every=3600)
+    hb.beat(1)
+    hb.beat(2)  # within the interval: not written
+    data = json.loads(hb.path.read_text())
+    assert data["step"] == 1 and "time" in data and "finished" not in data
+    hb.beat(3, force=True)
+    assert json.loads(hb.path.read_text())["step"] == 3
+    hb.finish(4)
+    assert json.loads(hb.path.read_text()) | {"time": 0, "pid": 0} == {"step": 4, "finished": True, "time": 0, "pid": 0}

@@ -1,12 +1,15 @@
 """`dflash doctor`: prove that the fast GatedDeltaNet kernels really load and really run (DESIGN.md §5).
 
     dflash doctor                       # aligned table; exit 1 when a required check fails
-    dflash doctor --json                # the same as JSON (schema in dflash/doctor_report.py)
+    dflash doctor --json                # the same as JSON (schema in dflash/doctor/report.py)
     dflash doctor --quick               # the cheap subset: versions, import, arch, C compiler
     dflash doctor --require-gpu         # no visible GPU is itself a failure
     dflash doctor --expect-arch 12.0    # without a GPU, the arch the extension must cover (or DFLASH_EXPECT_ARCHES)
     dflash doctor --save /tmp/dflash/doctor.json   # also keep the verdict for `dflash healthcheck`
     python -m dflash.doctor ...         # the same, without the console script
+
+Exit codes: 0 no required check failed; 1 a required check failed; 2 a bad option (an arch spelling,
+a --save path that cannot be written), found before any check runs.
 
 Checks, in order: gpu, versions, import, arch, dispatch, numerics, triton. Without a GPU, versions,
 import, arch and dispatch still run; numerics and the Triton JIT report skip with the reason, and the
@@ -20,14 +23,15 @@ choice. A machine without causal-conv1d therefore FAILS dispatch: that is what i
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .doctor_report import (DEFAULT_REPORT, FAIL, PASS, REPORT_ENV, SKIP, CheckResult, Report, render_table,
-                            write_json_atomic)
+from .report import DEFAULT_REPORT, FAIL, PASS, REPORT_ENV, SKIP, CheckResult, Report, render_table
 
 EXPECT_ENV = "DFLASH_EXPECT_ARCHES"
 QUICK_SKIPS = ("dispatch", "numerics")  # the expensive ones: transformers + fla imports, kernel launches
@@ -57,7 +61,7 @@ def check_gpu(gpus: list[dict], require: bool) -> CheckResult:
 def check_numerics(gpus: list[dict]) -> CheckResult:
     if not gpus:
         return CheckResult("numerics", SKIP, "no GPU visible: the kernels run only on a GPU")
-    from .doctor_numerics import RTOL, run_numerics
+    from .numerics import RTOL, run_numerics
 
     results, errors = run_numerics(gpus)
     bad = [f"GPU {r['device']} {r['name']} rel err {r['rel_err']:.2e} > {RTOL:.0e}" for r in results if not r["ok"]]
@@ -71,7 +75,7 @@ def check_numerics(gpus: list[dict]) -> CheckResult:
 
 
 def check_triton(gpus: list[dict], quick: bool) -> CheckResult:
-    from .doctor_checks import find_c_compiler
+    from .checks import find_c_compiler
 
     cc = find_c_compiler()
     if cc is None:
@@ -81,7 +85,7 @@ def check_triton(gpus: list[dict], quick: bool) -> CheckResult:
         why = "no GPU visible" if not gpus else "--quick"
         return CheckResult("triton", SKIP, f"JIT not run ({why}); C compiler for Triton's launcher: {cc}",
                            details={"cc": cc})
-    from .doctor_triton import jit_smoke
+    from .triton_jit import jit_smoke
 
     try:
         errs = {g["index"]: jit_smoke(f"cuda:{g['index']}") for g in gpus}
@@ -98,7 +102,7 @@ def check_triton(gpus: list[dict], quick: bool) -> CheckResult:
 
 def run_checks(opts: Options, progress=None) -> Report:
     """Run every check in order; a check that crashes is reported as failed with its exception."""
-    from . import doctor_checks as dc
+    from . import checks as dc
 
     gpus = dc.visible_gpus()
     expected = list(opts.expect_arches) if opts.expect_arches is not None else None
@@ -133,8 +137,32 @@ def run_and_save(path: str | os.PathLike | None = None, opts: Options | None = N
     written atomically to `path` (default $DFLASH_DOCTOR_REPORT or /tmp/dflash/doctor.json) for
     `dflash healthcheck`. Returns the exit code."""
     report = run_checks(opts or Options(expect_arches=expect_from_env()))
-    write_json_atomic(path or os.environ.get(REPORT_ENV) or DEFAULT_REPORT, report.to_dict())
+    report.save(path or os.environ.get(REPORT_ENV) or DEFAULT_REPORT)
     return report.exit_code
+
+
+def probe_save_path(path: Path) -> None:
+    """Raise OSError now when the verdict could not be written to `path` later: the directory must
+    exist or be creatable, and take a new file (the atomic write puts its temporary file there)."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    existing = next(p for p in path.parents if p.exists())
+    if not existing.is_dir():  # mkdir would say "File exists", which hides the problem
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+        pass
+
+
+def save_error(path: Path, exc: OSError) -> str:
+    """What went wrong writing the verdict to `path`, and the fix."""
+    why = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, IsADirectoryError) and exc.filename == str(path):
+        fix = f"name a file, e.g. --save {path / 'doctor.json'}"
+    else:
+        fix = f"pass --save a file in a writable directory, or make {path.parent} a writable directory"
+    return (f"--save {path}: cannot write the verdict there ({why}); {fix} "
+            f"(the health check reads ${REPORT_ENV}, default {DEFAULT_REPORT}).")
 
 
 def expect_from_env() -> tuple[int, ...] | None:
@@ -143,7 +171,7 @@ def expect_from_env() -> tuple[int, ...] | None:
 
 
 def _parse_arch_list(text: str, where: str) -> tuple[int, ...]:
-    from .doctor_checks import parse_sm
+    from .checks import parse_sm
 
     try:
         return tuple(sorted({parse_sm(a) for a in text.replace(" ", ",").split(",") if a}))
@@ -175,12 +203,22 @@ def main(argv: list[str] | None = None) -> int:
                   else expect_from_env())
     except ValueError as e:
         parser.error(str(e))
+    save = Path(args.save) if args.save else None
+    if save is not None:  # an unwritable --save also stops here, not after a full run
+        try:
+            probe_save_path(save)
+        except OSError as e:
+            parser.error(save_error(save, e))
     opts = Options(quick=args.quick, require_gpu=args.require_gpu, expect_arches=expect)
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
     report = run_checks(opts, progress)
-    if args.save:
-        write_json_atomic(args.save, report.to_dict())
     print(report.to_json() if args.json else render_table(report))
+    if save is not None:
+        try:
+            report.save(save)
+        except OSError as e:  # the directory changed while the checks ran
+            print(f"dflash doctor: error: {save_error(save, e)}", file=sys.stderr)
+            return 2
     return report.exit_code
 
 

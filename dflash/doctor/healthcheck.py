@@ -1,7 +1,7 @@
 """`dflash healthcheck`: the image's cheap HEALTHCHECK (DESIGN.md §5).
 
 The full doctor runs once, at container start (`dflash doctor --save /tmp/dflash/doctor.json`, or
-`dflash.doctor.run_and_save`), and its verdict is kept. This command only reads things back:
+`dflash.doctor.run.run_and_save`), and its verdict is kept. This command only reads things back:
 
     verdict  (DFLASH_DOCTOR_REPORT, default /tmp/dflash/doctor.json)
         missing                  -> exit 1 "doctor has not finished"   (the start period covers this)
@@ -14,8 +14,8 @@ The full doctor runs once, at container start (`dflash doctor --save /tmp/dflash
         older than DFLASH_HEARTBEAT_MAX_AGE s (default 600) -> exit 1 "trainer stalled"
     otherwise                    -> exit 0
 
-The trainer calls `write_heartbeat(step)` every few steps; both writers replace files atomically, so
-this never reads half a file.
+The trainer writes the heartbeat every few steps (dflash/doctor/heartbeat.py); both writers replace
+files atomically, so this never reads half a file.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .doctor_report import DEFAULT_REPORT, REPORT_ENV, SCHEMA_VERSION, write_json_atomic
+from .heartbeat import HEARTBEAT_ENV, heartbeat_path
+from .report import DEFAULT_REPORT, REPORT_ENV, SCHEMA_VERSION
 
-HEARTBEAT_ENV, DEFAULT_HEARTBEAT = "DFLASH_HEARTBEAT", "/tmp/dflash/heartbeat"
 MAX_AGE_ENV, DEFAULT_MAX_AGE = "DFLASH_HEARTBEAT_MAX_AGE", 600.0
 
 
@@ -42,19 +42,6 @@ class Health:
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 1
-
-
-def heartbeat_path() -> Path:
-    return Path(os.environ.get(HEARTBEAT_ENV) or DEFAULT_HEARTBEAT)
-
-
-def write_heartbeat(step: int, path: Path | str | None = None, *, finished: bool = False, now: float | None = None) -> Path:
-    """Record that the trainer is alive at `step` (atomically). `finished=True` on a clean exit tells
-    the health check that a silent heartbeat is expected from now on."""
-    data = {"time": time.time() if now is None else now, "step": int(step), "pid": os.getpid()}
-    if finished:
-        data["finished"] = True
-    return write_json_atomic(path or heartbeat_path(), data)
 
 
 def _read_json(path: Path, what: str) -> tuple[dict | None, str | None]:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import importlib.util
-import inspect
 import json
 import os
 import re
 import shutil
+from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from .doctor_report import FAIL, PASS, SKIP, CheckResult
+from .report import FAIL, PASS, SKIP, CheckResult
+
+if TYPE_CHECKING:  # dflash.target imports torch: the checks import it only when they run
+    from ..target import KernelFunction
 
 WHEEL_FIX = "rebuild the wheel for the installed torch with `make wheels` and install it from dist/wheels/"
 EXTENSION = "causal_conv1d_cuda"
@@ -276,48 +279,19 @@ def check_arch(so_path: str | None = None, gpus: list[dict] | None = None,
 # ----------------------------------------------------------------------------------------------------
 # 4. dispatch
 # ----------------------------------------------------------------------------------------------------
-def dispatched_functions(module) -> list[dict]:
-    """The kernel functions of a transformers model module and what each resolved to.
-
-    transformers 5.24 wraps each with `use_kernel_func_from_hub_with_fallback(func_name, package)`
-    (integrations/hub_kernels.py), which picks the implementation ONCE, when the model module is
-    imported: `importlib.import_module(package)` and the function in it, else the torch reference. The
-    choice lives in the wrapper's closure (`implementation`, `torch_function`); at call time a fallback
-    only logs "`{func}` is falling back to its reference PyTorch implementation". Reading the closure
-    tells the same without running a kernel, so it works on a machine without a GPU.
-    """
-    out = []
-    for attr, fn in sorted(vars(module).items()):
-        closure = _fallback_closure(fn)
-        if closure is None:
-            continue
-        impl = closure["implementation"]
-        out.append({
-            "function": attr,
-            "kernel": closure.get("func_name", attr),
-            "package": closure.get("package", "?"),
-            "fast": impl is not closure["torch_function"],
-            "implementation": f"{impl.__module__}.{impl.__qualname__}",
-        })
-    return out
-
-
-def _fallback_closure(fn) -> dict | None:
-    """The closure of transformers' fallback wrapper, following `__wrapped__` through outer wrappers
-    (a hub-kernels decorator, or the trainer's device router), or None for any other object."""
-    for _ in range(8):
-        if inspect.isfunction(fn) and fn.__closure__:
-            cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
-            if {"torch_function", "implementation"} <= cells.keys():
-                return cells
-        fn = getattr(fn, "__wrapped__", None)
-        if fn is None:
-            return None
-    return None
+def dispatch_row(fn: KernelFunction) -> dict:
+    """One kernel function as the report's details list it."""
+    impl = fn.implementation
+    return {"function": fn.attr, "kernel": fn.name, "package": fn.package, "fast": fn.fast,
+            "implementation": f"{impl.__module__}.{impl.__qualname__}"}
 
 
 def check_dispatch(modules: tuple[str, ...] = QWEN35_MODULES) -> CheckResult:
+    """Every kernel function of the model modules resolved to its package's kernel (read by
+    dflash.target.kernel_functions, the same reader the trainer's routing uses)."""
     import transformers
+
+    from ..target import kernel_functions
 
     found, problems = [], []
     for name in modules:
@@ -326,10 +300,10 @@ def check_dispatch(modules: tuple[str, ...] = QWEN35_MODULES) -> CheckResult:
         except Exception as e:
             problems.append(f"{name} does not import ({type(e).__name__}: {e})")
             continue
-        funcs = dispatched_functions(module)
+        funcs = [dispatch_row(fn) for fn in kernel_functions(module)]
         if not funcs:
             problems.append(f"found no kernel-dispatched function in {name} (transformers {transformers.__version__}); "
-                            "its dispatch mechanism changed: update dflash/doctor_checks.py:dispatched_functions")
+                            "its dispatch mechanism changed: update dflash/target.py:kernel_functions")
         found += funcs
     slow = [f for f in found if not f["fast"]]
     details = {"transformers": transformers.__version__, "functions": found}

@@ -1,6 +1,6 @@
 """The doctor's verdict: one result per check, rendered as an aligned table or as JSON, saved atomically.
 
-The JSON document (schema version 1) is what `dflash healthcheck` reads back:
+The JSON document (schema version 1) is what `dflash healthcheck` reads back (`Report.save` writes it):
 
     {
       "schema": 1,
@@ -84,6 +84,11 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str)
 
+    def save(self, path: Path | str) -> Path:
+        """Write the JSON to `path` atomically: the health check may read it at any moment and must
+        never see half a file. Raises OSError when `path` cannot be written."""
+        return atomic_write(path, self.to_json() + "\n")
+
 
 def render_table(report: Report) -> str:
     """An aligned text table, one row per check; the last line is the verdict.
@@ -107,8 +112,3 @@ def render_table(report: Report) -> str:
         lines.append(f"verdict: UNHEALTHY, failed: {', '.join(report.failed)}")
     return "\n".join(lines)
 
-
-def write_json_atomic(path: Path | str, data: dict) -> Path:
-    """Write JSON to `path` atomically, so a reader never sees half a file (the health check may read
-    it at any moment)."""
-    return atomic_write(path, json.dumps(data, indent=2, default=str) + "\n")

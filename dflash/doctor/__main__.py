@@ -1,0 +1,7 @@
+"""`python -m dflash.doctor`: the doctor without the console script."""
+
+import sys
+
+from .run import main
+
+sys.exit(main(sys.argv[1:]))
