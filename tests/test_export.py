@@ -92,11 +92,11 @@ def exported(tmp_path_factory):
 @pytest.mark.docker
 def test_oci_archive_is_uncompressed_oci_layout(exported):
     _, out, result = exported
-    oci = result.artifacts[0]
-    assert oci.name.endswith(".oci.tar")
-    with open(oci, "rb") as f:
+    archive = result.artifacts[0]
+    assert archive.name.endswith(".oci.tar")
+    with open(archive, "rb") as f:
         assert tarfile.is_tarfile(f)  # a plain tar: PVE only detects an *uncompressed* OCI archive
-    manifest = oci.check_oci_archive(oci)
+    manifest = oci.check_oci_archive(archive)
     assert all(layer["mediaType"].startswith("application/vnd.oci.image.layer.v1.tar")
                for layer in manifest["layers"])
 
