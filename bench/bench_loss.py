@@ -6,7 +6,7 @@
 Both paths run forward + backward on the same drafter hidden states and the same frozen LM head:
   full     dflash_loss(head(hidden), ...): [anchors x block, vocab] logits, then the cross-entropy
   chunked  dflash_loss_from_hidden(hidden, head, ...): the head on scored rows only, --chunk rows at a
-           time under activation checkpointing (what dflash.train runs)
+           time under activation checkpointing (what the training step, dflash.step, runs)
 It prints the median step time and, on a GPU, the peak memory above the inputs, with the ratios, and
 checks that the two losses agree.
 """

@@ -9,9 +9,9 @@ Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized b
 54 GB in bf16). For each target and each --attention implementation of the drafter:
   1. throughput: `dflash.train.train` itself runs --steps optimizer steps on synthetic sequences (the
      first --warmup steps are not counted); tokens/s counts the real (unpadded) sequence tokens;
-  2. time split: the same step taken apart and timed phase by phase (CUDA synchronised before every
-     clock read): target forward (context + block embeddings), drafter forward (+ head + loss),
-     drafter backward, optimizer step;
+  2. time split: the trainer's own micro-batch step (dflash.step: micro_batch_sums, backward) timed
+     phase by phase (CUDA synchronised before every clock read): target forward (blocks, context,
+     block embeddings), drafter forward (+ head + loss), drafter backward (+ clip), optimizer step;
   3. model FLOPs utilisation (GPU): the step's model FLOPs (below) per second of the training loop,
      over a bf16 matmul peak measured in the same run (8192^3 products on random data).
 Model FLOPs of one step (the useful work; recomputation and masked-out attention do not count):
@@ -45,12 +45,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.bench_kernels import timed  # noqa: E402
+from dflash import distributed  # noqa: E402
+from dflash.blocks import anchor_seed, build_blocks, sample_anchors  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
-from dflash.losses import dflash_loss_from_hidden  # noqa: E402
 from dflash.masks import drafter_attention_mask  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
+from dflash.step import backward, micro_batch_sums  # noqa: E402
 from dflash.target import Target  # noqa: E402
-from dflash.train import anchor_seed, attention_impl, build_blocks, sample_anchors, train  # noqa: E402
+from dflash.train import attention_impl, precision, train  # noqa: E402
 
 # Qwen3.5-27B's text model (shared/research: 64 layers, 3 GatedDeltaNet : 1 full attention).
 QWEN35_27B = dict(hidden=5120, layers=64, vocab=248320, intermediate=17408, heads=24, kv_heads=4, head_dim=256,
@@ -70,7 +72,7 @@ def free_memory(device: torch.device) -> None:
 
 
 def demo_target(device: torch.device, dtype: torch.dtype) -> Target:
-    from dflash.demo import build_demo_target
+    from dflash.demo.target import build_demo_target
 
     return Target.load(build_demo_target(progress=True), device=device, dtype=dtype)
 
@@ -172,11 +174,12 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
 
 
 def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
-    """Median seconds per phase of one micro-batch step, taken apart from dflash.train's step."""
+    """Median seconds per phase of one micro-batch step: dflash.step's functions, as the trainer calls
+    them, with the clock read (after a CUDA sync) between the phases."""
     from dflash.data import collate
 
     device = target.device
-    amp_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    d = distributed.Dist(rank=0, world_size=1, local_rank=0, device=device)  # this process alone
     torch.manual_seed(0)
     dcfg = DrafterConfig.from_target(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size)
     drafter = Drafter(dcfg, attention=attention_impl(cfg, device, dcfg.head_dim)).to(device)
@@ -188,38 +191,34 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
     phases: dict[str, list[float]] = {"target forward": [], "drafter forward": [], "drafter backward": [],
                                       "optimizer step": []}
     for rep in range(reps + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors, cfg.block_size, target.mask_token_id)
-        B, N = blocks.anchors.shape
-        context = target.context(batch["input_ids"], batch["attention_mask"])
-        with torch.no_grad():
-            embeds = target.embed(blocks.block_ids.view(B, N * cfg.block_size))
-        sync(device)
-        t1 = time.perf_counter()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-            hidden = drafter(context, embeds, blocks.anchors, batch["attention_mask"].bool(), blocks.anchor_valid)
-            loss, _ = dflash_loss_from_hidden(hidden.view(B, N, cfg.block_size, -1), target.lm_head,
-                                              blocks.labels, blocks.label_valid, cfg.gamma)
-        sync(device)
-        t2 = time.perf_counter()
-        loss.backward()
+        stamps = {}
+
+        def mark(phase: str) -> None:
+            sync(device)
+            stamps[phase] = time.perf_counter()
+
+        mark("start")
+        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=cfg.block_size, gamma=cfg.gamma,
+                                autocast_dtype=precision(cfg, device), mark=mark)
+        backward(sums, d, grad_accum=1)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        sync(device)
-        t3 = time.perf_counter()
+        mark("drafter backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync(device)
-        t4 = time.perf_counter()
+        mark("optimizer step")
         if rep:  # the first repetition warms up kernels and allocators
-            for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                phases[name].append(dt)
+            previous = stamps["start"]
+            for name in phases:
+                phases[name].append(stamps[name] - previous)
+                previous = stamps[name]
     med = {name: statistics.median(v) for name, v in phases.items()}
     total = sum(med.values())
     tokens = int(batch["attention_mask"].sum())
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, cfg.block_size,
+                          target.mask_token_id)
     flops = model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
     drafter_params = sum(p.numel() for p in drafter.parameters())
-    del drafter, opt, hidden, loss, context, embeds
+    del drafter, opt, sums
     free_memory(device)
     return {"step_s": total, "tokens_per_s": tokens / total, "model_flops": flops,
             "share": {name: round(v / total, 3) for name, v in med.items()},

@@ -12,13 +12,14 @@ Layout of an output dir:
         train_config.json              the TrainConfig that wrote it
     <out>/drafter/                     the final drafter (a copy of the last checkpoint's drafter/)
 
-A checkpoint is written into a hidden temp dir and renamed into place in one step; `latest` moves only
-after that. A failure at any point (disk full, kill -9) leaves the previous checkpoint and `latest`
-untouched.
+A checkpoint is written into a hidden temp dir (every file fsynced) and renamed into place in one
+step; `latest` moves only after that. A failure at any point (disk full, kill -9) leaves the previous
+checkpoint and `latest` untouched.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -27,16 +28,13 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig, atomic_write_text
+from wheelbuilder.fsutil import atomic_write
+
+from .config import TrainConfig
+from .errors import CheckpointError
 
 STATE_FILE = "trainer_state.pt"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or does not fit this run; the message says why and what to do."""
-
-    exit_code = 3
 
 
 # --- RNG -------------------------------------------------------------------------------------------
@@ -81,15 +79,16 @@ def save_checkpoint(root: Path, *, step: int, drafter, optimizer, scheduler, tra
             "rng": capture_rng(),
             **train_state,
         }
-        torch.save(state, tmp / STATE_FILE)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        atomic_write(tmp / STATE_FILE, buffer.getvalue())
         config.to_json(tmp / "train_config.json")
-        _fsync_dir(tmp)
         old = None
         if final.exists():  # same step written twice (stop right after a resume): swap, then drop the old
             old = root / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
         os.replace(tmp, final)
-        atomic_write_text(root / "latest", final.name + "\n")
+        atomic_write(root / "latest", final.name + "\n")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except OSError as exc:
@@ -109,19 +108,13 @@ def export_drafter(checkpoint: Path, dest: Path) -> Path:
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(checkpoint / "drafter", tmp)
+    for f in sorted((checkpoint / "drafter").iterdir()):  # config.json, model.safetensors: fsynced copies
+        atomic_write(tmp / f.name, f.read_bytes())
     if dest.exists():
         os.replace(dest, old)
     os.replace(tmp, dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -11,50 +11,31 @@
 `dflash-train` is the image's entrypoint, so `docker run dflash-train doctor` must reach the doctor:
 a first argument naming a subcommand is dispatched like `dflash <subcommand>`.
 
-Every `*_main(argv) -> int` only returns an exit code; errors with an `exit_code` attribute (bad
-options 2, checkpoint 3, training 4) print one clear message instead of a traceback.
+This module only parses and dispatches. Every `*_main(argv) -> int` returns an exit code; a DflashError
+(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6) prints one clear message
+instead of a traceback and exits with its code.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig, add_arguments, atomic_write_text, from_args
-
-log = logging.getLogger("dflash.cli")
+from .config import add_arguments, from_args
+from .errors import ConfigError, DflashError
 
 SUBCOMMANDS = ("train", "eval", "regenerate", "doctor", "healthcheck")
 
 
-def _fail(exc: BaseException) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return int(getattr(exc, "exit_code", 1))
-
-
 def _guard(fn, argv) -> int:
-    """Run fn(argv); turn the project's errors into a message and their exit code."""
-    from .checkpoint import CheckpointError
-    from .train import TrainError
-
-    handled: tuple = (ConfigError, CheckpointError, TrainError)
-    try:
-        from .target import TargetError
-        handled += (TargetError,)
-    except ImportError:
-        pass
-    try:
-        from .data import DataError
-        handled += (DataError,)
-    except ImportError:
-        pass
+    """Run fn(argv); a DflashError becomes its message and exit code, Ctrl-C exit code 130."""
     try:
         return fn(argv)
-    except handled as exc:
-        return _fail(exc)
+    except DflashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -76,6 +57,7 @@ def train_parser() -> argparse.ArgumentParser:
 def _train(argv) -> int:
     config = from_args(train_parser().parse_args(argv))
     if config.is_demo:
+        from .demo.run import run_demo
         return run_demo(config)
     from .train import train
     return train(config).exit_code
@@ -107,21 +89,10 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the conversation up to (not including) its first assistant turn, plus the
-    generation prompt: what the target sees before it starts answering."""
-    head = []
-    for m in messages:
-        if m["role"] == "assistant":
-            break
-        head.append(m)
-    text = tokenizer.apply_chat_template(head, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def _eval(argv) -> int:
     from . import distributed
-    from .evaluate import evaluate, evaluate_baseline
+    from .chat import load_chat_jsonl, prompt_ids
+    from .evaluate import evaluate, evaluate_baseline, format_results
     from .model import Drafter
     from .target import Target
 
@@ -137,7 +108,6 @@ def _eval(argv) -> int:
                           f"{drafter.config.target_fingerprint}, --target gives {target.fingerprint}); pass "
                           "the target it was trained on.")
     if args.data:
-        from .data import load_chat_jsonl
         conversations, _ = load_chat_jsonl(args.data)
     else:
         lines = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
@@ -151,14 +121,6 @@ def _eval(argv) -> int:
             results[name] = evaluate_baseline(target, prompts, args.max_new_tokens, kind=kind, config=drafter.config)
     print(json.dumps(results, indent=2, default=str) if args.json else format_results(results))
     return 0 if results["drafter"].get("lossless", True) else 1
-
-
-def format_results(results: dict[str, dict]) -> str:
-    """A small table: one row per method, tau / tokens per second / lossless."""
-    rows = [f"{'method':<20} {'tau':>6} {'tokens/s':>10} {'lossless':>9}"]
-    for name, r in results.items():
-        rows.append(f"{name:<20} {r['tau']:>6.2f} {r['tokens_per_s']:>10.1f} {str(r.get('lossless', '-')):>9}")
-    return "\n".join(rows)
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -181,85 +143,14 @@ def regenerate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def write_jsonl(path: Path, conversations: list[list[dict]]) -> None:
-    text = "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
-    atomic_write_text(Path(path), text)
-
-
 def _regenerate(argv) -> int:
-    from . import distributed
-    from .data import load_chat_jsonl, regenerate
-    from .target import Target
+    from .regenerate import regenerate_jsonl
 
     args = regenerate_parser().parse_args(argv)
-    if args.temperature < 0 or args.max_new_tokens < 1:
-        raise ConfigError("--temperature must be >= 0 and --max-new-tokens >= 1.")
-    device = distributed.pick_device(args.device, 0)
-    target = Target.load(args.target, device=device)
-    conversations, report = load_chat_jsonl(args.data, on_error=args.on_bad_line)
-    out = regenerate(target, conversations, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    write_jsonl(Path(args.out), out)
-    print(f"wrote {len(out)} conversations to {args.out} ({report})")
+    print(regenerate_jsonl(args.target, args.data, args.out, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, seed=args.seed, device=args.device,
+                           on_bad_line=args.on_bad_line))
     return 0
-
-
-# --- the built-in demo -----------------------------------------------------------------------------
-def _demo_data(config: TrainConfig, target, conversations: list[list[dict]], is_main: bool) -> list[list[dict]]:
-    """The demo's training conversations with the target's own answers, cached in <out>/demo-data.jsonl."""
-    from . import distributed
-    from .data import load_chat_jsonl, regenerate
-
-    path = config.out_dir / "demo-data.jsonl"
-    if path.exists():
-        cached, _ = load_chat_jsonl(path, on_error="skip")
-        if len(cached) == len(conversations):
-            return cached
-    if is_main:
-        log.info("regenerating %d demo answers with the target (greedy)", len(conversations))
-        write_jsonl(path, regenerate(target, conversations, config.regen_new_tokens, temperature=0.0))
-    distributed.barrier(distributed.init(config.device))
-    return load_chat_jsonl(path, on_error="stop")[0]
-
-
-def run_demo(config: TrainConfig) -> int:
-    """Build (or reuse) the tiny demo target, regenerate its data, train, then print tau beside the
-    untrained-drafter and repeat-last-token baselines; <out>/eval.json keeps the numbers."""
-    from . import distributed
-    from .data import ChatDataset
-    from .demo import build_demo_target, demo_conversations
-    from .evaluate import evaluate, evaluate_baseline
-    from .train import dataset_items, load_target, setup_logging, train
-
-    d = distributed.init(config.device, cpu_threads=config.cpu_threads)
-    setup_logging(config.out_dir, d.is_main)
-    if d.is_main:
-        build_demo_target(config.demo_target_dir(), seed=config.seed, progress=config.progress)
-    distributed.barrier(d)  # other ranks load the target rank 0 built (cached: no second build)
-    path = build_demo_target(config.demo_target_dir(), seed=config.seed, progress=False)
-    target = load_target(config, d.device, path)
-    conversations = demo_conversations(config.demo_conversations + config.eval_prompts, seed=config.seed)
-    held_out = conversations[config.demo_conversations:]
-    regenerated = _demo_data(config, target, conversations[: config.demo_conversations], d.is_main)
-    dataset = ChatDataset(regenerated, target.tokenizer, max_length=config.max_length,
-                          block_size=config.block_size)
-    result = train(config, target=target, items=dataset_items(dataset))
-    if result.stopped_by or not d.is_main:
-        return result.exit_code
-    prompts = [prompt_ids(target.tokenizer, c) for c in held_out]
-    drafter = result.drafter.eval()
-    n, show = config.eval_new_tokens, config.progress
-    results = {
-        "trained drafter": evaluate(target, drafter, prompts, n, progress=show),
-        "untrained drafter": evaluate_baseline(target, prompts, n, kind="untrained", config=drafter.config,
-                                               seed=config.seed, progress=show),
-        "repeat last token": evaluate_baseline(target, prompts, n, kind="repeat_last", config=drafter.config,
-                                               progress=show),
-    }
-    atomic_write_text(config.out_dir / "eval.json", json.dumps(results, indent=2, default=str) + "\n")
-    print(f"\nDFlash demo: {len(prompts)} held-out prompts, {config.eval_new_tokens} new tokens each, "
-          f"block size {config.block_size}, {result.step} training steps\n" + format_results(results))
-    print(f"drafter: {config.out_dir / 'drafter'}")
-    return 0 if results["trained drafter"].get("lossless", True) else 1
 
 
 # --- dflash ----------------------------------------------------------------------------------------

@@ -22,11 +22,7 @@ from pathlib import Path
 
 from wheelbuilder.fsutil import atomic_write
 
-
-class ConfigError(ValueError):
-    """An option has a bad value or options contradict each other; the message says which and the fix."""
-
-    exit_code = 2
+from .errors import ConfigError
 
 
 def _opt(default, help: str, **extra):
@@ -138,8 +134,8 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def to_json(self, path: str | os.PathLike) -> None:
-        """Write the resolved config atomically (temp file in the same dir, then rename)."""
-        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        """Write the resolved config atomically (fsynced temp file in the same dir, then rename)."""
+        atomic_write(Path(path), json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_dict(cls, data: dict, *, source: str = "config") -> "TrainConfig":
@@ -165,11 +161,6 @@ DEMO_DEFAULTS: dict = dict(
     block_size=8, drafter_layers=2, max_length=256, max_anchors=32, max_tokens=4096, batch_size=8,
     max_steps=300, epochs=0, lr=2e-3, log_every=25, save_every=100,
 )
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the new one, never half of one."""
-    atomic_write(path, text)
 
 
 def _flag(name: str) -> str:

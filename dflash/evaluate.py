@@ -215,3 +215,11 @@ def evaluate_baseline(target, prompts: list[list[int]], max_new_tokens: int, kin
     else:
         raise ValueError(f"unknown baseline {kind!r}; choose 'repeat_last' or 'untrained'")
     return evaluate(target, proposer, prompts, max_new_tokens, **kwargs)
+
+
+def format_results(results: dict[str, dict]) -> str:
+    """A small table: one row per method, tau / tokens per second / lossless."""
+    rows = [f"{'method':<20} {'tau':>6} {'tokens/s':>10} {'lossless':>9}"]
+    for name, r in results.items():
+        rows.append(f"{name:<20} {r['tau']:>6.2f} {r['tokens_per_s']:>10.1f} {str(r.get('lossless', '-')):>9}")
+    return "\n".join(rows)

@@ -58,10 +58,12 @@ def dflash_loss(
     labels: [B,N,bs-1] long, the token at anchor+k for k = 1..bs-1
     valid:  [B,N,bs-1] bool, False where the label is padding, past the end, or not supervised
     loss  = sum(w_k * CE * valid) / sum(w_k * valid)   (0 with a graph when nothing is valid)
-    stats = {"acc_per_pos": [bs-1] top-1 accuracy per position (0 where no valid label),
-             "acc": top-1 accuracy over all valid labels, "n_valid": number of valid labels,
-             "tau_est": 1 + mean accepted prefix over fully valid blocks (what greedy verification would
-                        accept from these blocks; 0.0 when no block is fully valid)}
+    stats = {"acc_per_pos": [bs-1] float32, top-1 accuracy per position (0 where no valid label),
+             "acc": [] float64, top-1 accuracy over all valid labels, "n_valid": [] long, valid labels,
+             "tau_est": [] float32, 1 + mean accepted prefix over fully valid blocks (what greedy
+                        verification would accept from these blocks; 0.0 when no block is fully valid)}
+    The stats are tensors on the logits' device: reading them (float(), int()) is the caller's choice,
+    so a training step that does not need them never waits for the device.
     """
     B, N, bs, V = logits.shape
     if labels.shape != (B, N, bs - 1) or valid.shape != (B, N, bs - 1):
@@ -86,15 +88,20 @@ def dflash_loss(
 
 
 def _stats(correct: torch.Tensor, valid: torch.Tensor) -> dict:
-    """Accuracy per position, overall, and the greedy acceptance estimate, from [B,N,bs-1] masks."""
-    n_per_pos = valid.sum(dim=(0, 1))
+    """Accuracy per position, overall, and the greedy acceptance estimate, from [B,N,bs-1] masks.
+
+    Computed on the device without boolean indexing or .item(): no host sync.
+    """
+    n_per_pos = valid.sum(dim=(0, 1))                                              # [bs-1]
     acc_per_pos = correct.sum(dim=(0, 1)).float() / n_per_pos.clamp(min=1)
-    n_valid = int(valid.sum())
+    n_valid = valid.sum()
+    acc = correct.sum().double() / n_valid.clamp(min=1).double()
     full = valid.all(dim=-1)                                                       # [B,N]
+    n_full = full.sum()
     prefix = correct.long().cumprod(dim=-1).sum(dim=-1)                            # [B,N]
-    tau_est = float(1 + prefix[full].float().mean()) if full.any() else 0.0
-    return {"acc_per_pos": acc_per_pos.cpu(), "acc": float(correct.sum()) / max(1, n_valid),
-            "n_valid": n_valid, "tau_est": tau_est}
+    mean_prefix = (prefix * full).sum().float() / n_full.clamp(min=1).float()
+    tau_est = torch.where(n_full > 0, 1 + mean_prefix, torch.zeros_like(mean_prefix))
+    return {"acc_per_pos": acc_per_pos, "acc": acc, "n_valid": n_valid, "tau_est": tau_est}
 
 
 # Rows of the LM head's output alive at once in dflash_loss_from_hidden: 2048 x a 152K vocabulary is
@@ -107,21 +114,24 @@ def _chunk_ce(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor
     return F.cross_entropy(logits.float(), labels, reduction="none"), logits.argmax(-1)
 
 
-def dflash_loss_from_hidden(
+def weighted_ce_from_hidden(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
     valid: torch.Tensor,
     gamma: float | None = None,
     chunk_rows: int = LOSS_CHUNK_ROWS,
-) -> tuple[torch.Tensor, dict]:
-    """dflash_loss(head(hidden), labels, valid, gamma) without the full logits tensor.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The un-normalised DFlash loss from drafter hidden states: (ce_sum [], weight [], correct [B,N,bs-1]).
 
     hidden: [B,N,bs,H] drafter hidden states (after the final norm); head: the target's LM head.
+    labels: [B,N,bs-1] long; valid: [B,N,bs-1] bool (see dflash_loss).
+    ce_sum  = sum(w_k * CE * valid), float32, with a graph even when nothing is valid
+    weight  = sum(w_k * valid), float32 (no graph): ce_sum / weight is dflash_loss's loss
+    correct = top-1 prediction == label, and valid (no graph)
     The head runs only on the positions that are scored (block positions 1..bs-1 with a valid label),
     `chunk_rows` rows at a time, each chunk under activation checkpointing: its [rows, V] logits exist
-    in the forward only while its cross-entropy is taken and are recomputed in the backward. Same loss,
-    gradients and stats as dflash_loss (up to float summation order).
+    in the forward only while its cross-entropy is taken and are recomputed in the backward.
     """
     B, N, bs, _ = hidden.shape
     if labels.shape != (B, N, bs - 1) or valid.shape != (B, N, bs - 1):
@@ -145,9 +155,25 @@ def dflash_loss_from_hidden(
             part = slice(start, start + chunk_rows)
             ce, predicted[part] = checkpoint(_chunk_ce, head, rows[part], targets[part], use_reentrant=False)
             total = total + (ce * row_w[part]).sum()
-    denom = w.sum()
-    loss = total / denom if denom > 0 else total
     with torch.no_grad():
         correct = torch.zeros_like(valid)
         correct[valid] = predicted == targets
-    return loss, _stats(correct, valid)
+    return total, w.sum(), correct
+
+
+def dflash_loss_from_hidden(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    gamma: float | None = None,
+    chunk_rows: int = LOSS_CHUNK_ROWS,
+) -> tuple[torch.Tensor, dict]:
+    """dflash_loss(head(hidden), labels, valid, gamma) without the full logits tensor.
+
+    hidden: [B,N,bs,H]; the head runs as in weighted_ce_from_hidden. Same loss, gradients and stats as
+    dflash_loss (up to float summation order).
+    """
+    total, denom, correct = weighted_ce_from_hidden(hidden, head, labels, valid, gamma, chunk_rows)
+    loss = total / denom if denom > 0 else total
+    return loss, _stats(correct, valid.bool())

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.masks import drafter_attention_mask
+from wheelbuilder.fsutil import atomic_write
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -289,18 +289,13 @@ class Drafter(nn.Module):
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_pretrained(self, directory) -> Path:
         """Write config.json + model.safetensors into `directory`; each file appears whole or not at all."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        tmp = directory / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
-        save_file(state, str(tmp), metadata={"format": "pt", "dflash": FORMAT})
-        os.replace(tmp, directory / WEIGHTS_NAME)
+        atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt", "dflash": FORMAT}))
         # The config goes last: a directory with a config.json always has matching weights beside it.
-        tmp = directory / f".{CONFIG_NAME}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"format": FORMAT, **self.config.to_dict()}, indent=2) + "\n")
-        os.replace(tmp, directory / CONFIG_NAME)
+        atomic_write(directory / CONFIG_NAME, json.dumps({"format": FORMAT, **self.config.to_dict()}, indent=2) + "\n")
         return directory
 
     @classmethod

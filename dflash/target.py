@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from .errors import TargetError
+
 log = logging.getLogger(__name__)
 
 # Mask tokens of the real model families (research/dflash.md): used only when the tokenizer declares no
@@ -45,10 +47,6 @@ _FINGERPRINT_KEYS = (
     "num_attention_heads", "num_key_value_heads", "head_dim", "layer_types",
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
 )
-
-
-class TargetError(ValueError):
-    """The target cannot be used as asked; the message says what to change."""
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:

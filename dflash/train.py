@@ -1,32 +1,22 @@
-"""The DFlash drafter training loop: frozen target forward, drafter forward/backward, one optimizer.
+"""The DFlash drafter training loop: data order, one optimizer, checkpoints, logging, clean stops.
 
 Single process:        dflash-train --target DIR --data FILE.jsonl --out runs/x
 One process per GPU:   torchrun --nproc-per-node 8 -m dflash.cli train --target DIR --data FILE.jsonl --out runs/x
 Two CPU processes:     torchrun --nproc-per-node 2 -m dflash.cli train ... --device cpu   (gloo)
 
-One training step, for a micro-batch of sequences [B,T] with loss mask [B,T]:
-
-    anchors   up to max_anchors positions a per sequence with loss_mask[a] == loss_mask[a+1] == 1
-    blocks    [input_ids[a], MASK, MASK, ..., MASK]                      [B, N, bs]
-    labels    input_ids[a+1 .. a+bs-1]  (valid: inside the sequence, loss_mask 1)  [B, N, bs-1]
-    context   target.context(input_ids)                                  [B, T, k*H]   (no grad)
-    hidden    drafter(context, target.embed(blocks), anchors, ...)       [B, N*bs, H]
-    loss      dflash_loss_from_hidden: target.lm_head on the scored positions, a chunk of rows at a
-              time; CE at block positions 1..bs-1, weighted exp(-(k-1)/gamma)
-
-Every counter is in OPTIMIZER steps (a step = grad_accum micro-batches); the LR schedule uses the same
-counter. A micro-batch is global: its sequences are split across ranks, and the loss is normalised by
-the loss weight summed over all ranks, so N processes compute the same gradient as one process would
-on the whole micro-batch.
+One optimizer step = grad_accum micro-batches; each micro-batch is dflash.step's forward and backward
+(anchors and blocks: dflash.blocks). Every counter is in OPTIMIZER steps, and the LR schedule
+(dflash.schedule) uses the same counter. A micro-batch is global: its sequences are split across ranks,
+and the loss is normalised by the loss weight summed over all ranks, so N processes compute the same
+gradient as one process would on the whole micro-batch. The step's statistics stay on the device and
+are read back once per optimizer step, for its metrics record (metrics.jsonl, the log, on_step).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -38,133 +28,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import checkpoint as ckpt
 from . import distributed
-from .config import ConfigError, TrainConfig, atomic_write_text
+from .blocks import anchor_seed, sample_anchors
+from .config import TrainConfig
+from .data import DataOrder, data_fingerprint
 from .doctor.heartbeat import Heartbeat
+from .errors import CheckpointError, ConfigError, TrainError
 from .losses import LOSS_CHUNK_ROWS
+from .schedule import lr_lambda
+from .signals import StopFlag
+from .step import StepSums, backward, micro_batch_sums
 
 log = logging.getLogger("dflash.train")
 
 
-class TrainError(RuntimeError):
-    """Training cannot go on (out of memory, no usable data); the message names the knob to turn."""
-
-    exit_code = 4
-
-
-# --- blocks ----------------------------------------------------------------------------------------
-def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
-    """A per-sequence seed: the anchors of a sequence depend only on (seed, epoch, its index), never on
-    which rank or micro-batch it lands in, so resumed and multi-process runs sample the same anchors."""
-    return (seed * 1_000_003 + epoch * 7_919 + sample_index * 104_729) % (2**63 - 1)
-
-
-def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """[T] loss mask of one (unpadded) sequence -> sorted [n] anchor positions, n <= max_anchors.
-
-    An anchor a needs loss_mask[a] == 1 and a+1 < T; we also require loss_mask[a+1] == 1, since an
-    anchor whose first label is unsupervised adds a whole block of compute and no signal.
-    """
-    m = loss_mask.bool()
-    candidates = torch.nonzero(m[:-1] & m[1:]).flatten()
-    if candidates.numel() > max_anchors:
-        pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
-        candidates = candidates[pick.sort().values]
-    return candidates
-
-
-@dataclass
-class Blocks:
-    """The drafter's inputs for one micro-batch (N = most anchors of any sequence in it)."""
-
-    anchors: torch.Tensor       # [B,N] long, 0 where padded
-    anchor_valid: torch.Tensor  # [B,N] bool
-    block_ids: torch.Tensor     # [B,N,bs] long: [anchor token, MASK x (bs-1)]
-    labels: torch.Tensor        # [B,N,bs-1] long: input_ids[a+1 .. a+bs-1] (0 where out of range)
-    label_valid: torch.Tensor   # [B,N,bs-1] bool
-
-
-def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: list[torch.Tensor],
-                 block_size: int, mask_token_id: int) -> Blocks:
-    """input_ids, loss_mask [B,T] (right-padded, loss_mask 0 on padding) + per-row anchors -> Blocks.
-
-    A batch whose rows have no anchor at all still gets N = 1 (an invalid anchor at 0) so the drafter
-    runs and DDP sees every parameter in the backward pass.
-    """
-    B, T = input_ids.shape
-    N = max(1, max(int(a.numel()) for a in anchors))
-    anchor_t = torch.zeros(B, N, dtype=torch.long)
-    anchor_valid = torch.zeros(B, N, dtype=torch.bool)
-    for b, a in enumerate(anchors):
-        anchor_t[b, : a.numel()] = a
-        anchor_valid[b, : a.numel()] = True
-    anchor_t, anchor_valid = anchor_t.to(input_ids.device), anchor_valid.to(input_ids.device)
-    offsets = torch.arange(1, block_size, device=input_ids.device)
-    pos = anchor_t.unsqueeze(-1) + offsets                       # [B,N,bs-1]
-    in_range = pos < T
-    pos = pos.clamp(max=T - 1)
-    flat = pos.view(B, -1)
-    labels = torch.gather(input_ids, 1, flat).view_as(pos)
-    supervised = torch.gather(loss_mask, 1, flat).view_as(pos).bool()
-    label_valid = in_range & supervised & anchor_valid.unsqueeze(-1)
-    block_ids = torch.full((B, N, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
-    block_ids[:, :, 0] = torch.gather(input_ids, 1, anchor_t)
-    return Blocks(anchor_t, anchor_valid, block_ids, labels.masked_fill(~label_valid, 0), label_valid)
-
-
-# --- learning-rate schedule ------------------------------------------------------------------------
-def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
-    """Factor of the peak LR at optimizer step s: linear warm-up over ceil(ratio*total), then cosine to 0."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-# --- stopping on signals ---------------------------------------------------------------------------
-class StopFlag:
-    """Set by SIGTERM/SIGINT (or by a caller); the loop finishes the current step, checkpoints, exits."""
-
-    def __init__(self):
-        self.reason: str | None = None
-        self._previous: dict = {}
-
-    def request(self, reason: str = "request") -> None:
-        self.reason = self.reason or reason
-
-    def __bool__(self) -> bool:
-        return self.reason is not None
-
-    def install(self) -> "StopFlag":
-        def handler(signum, _frame):
-            name = signal.Signals(signum).name
-            if self.reason and signum == signal.SIGINT:  # a second Ctrl-C: stop now
-                raise KeyboardInterrupt
-            self.request(name)
-            log.warning("%s received: finishing the current step, then writing a checkpoint", name)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread: signals stay with whoever owns them
-                pass
-        return self
-
-    def uninstall(self) -> None:
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev)
-        self._previous.clear()
-
-    @property
-    def exit_code(self) -> int:
-        return 130 if self.reason == "SIGINT" else 0
-
-
-# --- the run ---------------------------------------------------------------------------------------
 @dataclass
 class TrainResult:
     drafter: torch.nn.Module          # the bare drafter (not the DDP wrapper)
@@ -173,45 +49,6 @@ class TrainResult:
     checkpoint: Path | None = None
     stopped_by: str | None = None     # "SIGTERM", "SIGINT", "request" or None (ran to the end)
     exit_code: int = 0
-
-
-def data_fingerprint(items: list[dict]) -> str:
-    """16 hex digits over every sequence's tokens and loss mask: resume refuses changed data."""
-    h = hashlib.sha256()
-    for item in items:
-        h.update(item["input_ids"].to(torch.int64).numpy().tobytes())
-        h.update(item["loss_mask"].to(torch.int8).numpy().tobytes())
-        h.update(b"|")
-    return h.hexdigest()[:16]
-
-
-class _DataOrder:
-    """Walks the length-bucketed micro-batches epoch after epoch; its position is checkpointed."""
-
-    def __init__(self, lengths: list[int], config: TrainConfig, epoch: int = 0, index: int = 0):
-        from .data import make_batches
-
-        self._make = lambda e: make_batches(lengths, config.max_tokens, config.batch_size, config.seed, e)
-        self.epoch, self.index = epoch, index
-        self._batches = self._make(epoch)
-        if not self._batches:
-            raise TrainError("the data gives no micro-batch; check --max-tokens and --batch-size")
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self._batches)
-
-    def next(self) -> tuple[int, list[int]]:
-        """(epoch, sample indices of the next global micro-batch)."""
-        if self.index >= len(self._batches):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._batches = self._make(self.epoch)
-        batch = self._batches[self.index]
-        self.index += 1
-        return self.epoch, list(batch)
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "batch_index": self.index}
 
 
 FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels refuse narrower heads
@@ -232,7 +69,8 @@ def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | No
     return "flex" if device.type == "cuda" and wide_enough else "sdpa"
 
 
-def _precision(config: TrainConfig, device: torch.device) -> torch.dtype:
+def precision(config: TrainConfig, device: torch.device) -> torch.dtype:
+    """--precision resolved for `device`: the autocast dtype of the drafter and the dtype of the target."""
     if config.precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return torch.bfloat16 if config.precision == "bf16" else torch.float32
@@ -255,14 +93,13 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
                  stop: StopFlag, on_step: Callable[[int, dict], None] | None = None):
-        from .losses import position_weights
         from .model import Drafter, DrafterConfig
 
         self.config, self.target, self.items, self.d, self.stop = config, target, items, d, stop
         self.on_step = on_step
         self.root = config.out_dir / "checkpoints"
         self.pad_id = _pad_id(target)
-        self.autocast_dtype = _precision(config, d.device)
+        self.autocast_dtype = precision(config, d.device)
         overrides = dict(num_layers=config.drafter_layers, block_size=config.block_size)
         self.drafter_config = DrafterConfig.from_target(target, **overrides)
         torch.manual_seed(config.seed)  # the same initial drafter on every rank and on every rerun
@@ -270,12 +107,11 @@ class Trainer:
         self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
         self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
             if d.enabled else self.drafter
-        self.weights = position_weights(config.block_size, config.gamma).to(d.device)
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay,
                                            fused=d.device.type == "cuda")
         self.fingerprint = data_fingerprint(items)
-        self.order = _DataOrder([len(it["input_ids"]) for it in items], config)
+        self.order = self._data_order()
         self.total_steps = config.max_steps or config.epochs * math.ceil(self.order.batches_per_epoch
                                                                          / config.grad_accum)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -283,12 +119,17 @@ class Trainer:
         self.step = 0
         self.heartbeat = Heartbeat(every=config.heartbeat_every) if d.is_main else None
 
+    def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder:
+        cfg = self.config
+        return DataOrder([len(it["input_ids"]) for it in self.items], cfg.max_tokens, cfg.batch_size, cfg.seed,
+                         epoch=epoch, index=index)
+
     # --- resume ------------------------------------------------------------------------------------
     def restore(self) -> Path | None:
         """Load the latest checkpoint of --out (when --resume); refuse one that does not fit."""
         last = ckpt.latest_checkpoint(self.root)
         if last is None:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"--resume: no checkpoint in {self.root}. Drop --resume to start a new run there.")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
         from safetensors.torch import load_file
@@ -299,8 +140,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(_cpu_rng(state["rng"]))
         self.step = int(state["step"])
-        self.order = _DataOrder([len(it["input_ids"]) for it in self.items], self.config,
-                                epoch=int(state["epoch"]), index=int(state["batch_index"]))
+        self.order = self._data_order(epoch=int(state["epoch"]), index=int(state["batch_index"]))
         log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", last, self.step,
                  self.order.epoch, self.order.index)
         return last
@@ -337,55 +177,32 @@ class Trainer:
         batch = collate(items, self.pad_id)
         return {k: v.to(self.d.device) for k, v in batch.items()}, anchors
 
-    def _micro_step(self, batch: dict, anchors: list[torch.Tensor], accum: int, sync: bool) -> dict:
-        """Forward + backward of one micro-batch; returns summed (not averaged) statistics."""
-        from .losses import dflash_loss_from_hidden
-
-        cfg, target = self.config, self.target
-        ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-        blocks = build_blocks(ids, loss_mask * attn, anchors, cfg.block_size, target.mask_token_id)
-        B, N = blocks.anchors.shape
-        context = target.context(ids, attn)
-        with torch.no_grad():
-            block_embeds = target.embed(blocks.block_ids.view(B, N * cfg.block_size))
-        # The denominator is the loss weight of ALL ranks: then DDP's gradient average equals the
-        # gradient of one process over the whole micro-batch.
-        local_w = (blocks.label_valid.float() * self.weights).sum()
-        global_w = distributed.all_reduce_sum(self.d, local_w.detach().clone())
-        ctx = nullcontext() if sync or not self.d.enabled else self.model.no_sync()
-        amp = torch.autocast(self.d.device.type, dtype=self.autocast_dtype,
-                             enabled=self.autocast_dtype != torch.float32)
-        with ctx:
-            with amp:
-                hidden = self.model(context, block_embeds,
-                                    blocks.anchors, attn.bool(), blocks.anchor_valid)
-                # The LM head runs on the scored positions only, a chunk at a time (never the full
-                # [anchors x block x vocab] logits).
-                loss, stats = dflash_loss_from_hidden(hidden.view(B, N, cfg.block_size, -1), target.lm_head,
-                                                      blocks.labels, blocks.label_valid, cfg.gamma)
-            loss_sum = loss * local_w  # dflash_loss averages over this rank's weight; undo that
-            scale = self.d.world_size / (global_w.clamp(min=1e-12) * accum)
-            (loss_sum * scale).backward()
-        valid = blocks.label_valid.sum((0, 1)).float()
-        correct = (stats["acc_per_pos"].to(valid.device) * valid).round()  # counts, to sum over ranks
-        return {"loss_sum": loss_sum.detach(), "weight": local_w.detach(), "correct": correct, "valid": valid,
-                "tokens": attn.sum().float(), "anchors": blocks.anchor_valid.sum().float()}
+    def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool) -> StepSums:
+        """Forward + backward of one micro-batch (gradients accumulate); returns its sums, detached."""
+        cfg = self.config
+        # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
+        with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
+            sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=cfg.block_size,
+                                    gamma=cfg.gamma, autocast_dtype=self.autocast_dtype)
+            backward(sums, self.d, cfg.grad_accum)
+        return sums.detached()
 
     def _optimizer_step(self) -> dict:
         """grad_accum micro-batches, clip, AdamW step, LR step; returns the step's metrics (all ranks)."""
         cfg = self.config
-        totals: dict[str, torch.Tensor] = {}
+        totals = None  # [loss_sum, weight, correct x (bs-1), valid x (bs-1), tokens, anchors], on the device
         for k in range(cfg.grad_accum):
             epoch, indices = self.order.next()
             batch, anchors = self._collate_shard(epoch, indices)
             try:
-                stats = self._micro_step(batch, anchors, cfg.grad_accum, sync=k == cfg.grad_accum - 1)
+                sums = self._micro_step(batch, anchors, sync=k == cfg.grad_accum - 1)
             except torch.OutOfMemoryError as exc:
                 n = sum(int(a.numel()) for a in anchors)
                 raise TrainError(_oom_message(cfg, tuple(batch["input_ids"].shape), n,
                                               self.target.vocab_size)) from exc
-            for key, value in stats.items():
-                totals[key] = totals.get(key, 0) + value
+            packed = torch.cat([sums.loss_sum.view(1), sums.weight.view(1), sums.correct, sums.valid,
+                                sums.tokens.view(1), sums.anchors.view(1)])
+            totals = packed if totals is None else totals + packed
             if self.heartbeat:
                 self.heartbeat.beat(self.step)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip) \
@@ -395,17 +212,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        packed = torch.cat([totals["loss_sum"].view(1), totals["weight"].view(1), totals["correct"],
-                            totals["valid"], totals["tokens"].view(1), totals["anchors"].view(1)])
-        packed = distributed.all_reduce_sum(self.d, packed)
+        totals = distributed.all_reduce_sum(self.d, totals)
         k = cfg.block_size - 1
-        correct, valid = packed[2:2 + k], packed[2 + k:2 + 2 * k]
+        correct, valid = totals[2:2 + k], totals[2 + k:2 + 2 * k]
+        summary = torch.cat([(totals[0] / totals[1].clamp(min=1e-12)).view(1),
+                             (correct.sum() / valid.sum().clamp(min=1)).view(1), correct / valid.clamp(min=1),
+                             totals[-2:], grad_norm.detach().view(1).to(totals)])
+        loss, acc, *per_pos, tokens, anchors, norm = summary.tolist()  # the one read-back of the step
         return {
-            "step": self.step, "lr": lr, "grad_norm": float(grad_norm),
-            "loss": float(packed[0] / packed[1].clamp(min=1e-12)),
-            "acc": float(correct.sum() / valid.sum().clamp(min=1)),
-            "acc_per_pos": [round(float(x), 4) for x in correct / valid.clamp(min=1)],
-            "tokens": int(packed[-2]), "anchors": int(packed[-1]),
+            "step": self.step, "lr": lr, "grad_norm": norm, "loss": loss, "acc": acc,
+            "acc_per_pos": [round(x, 4) for x in per_pos], "tokens": int(tokens), "anchors": int(anchors),
         }
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -504,7 +320,8 @@ def setup_logging(out_dir: Path, is_main: bool) -> None:
 
 def load_items(config: TrainConfig, target) -> list[dict]:
     """Read --data, tokenize with the target's chat template, drop samples too short to supervise."""
-    from .data import ChatDataset, load_chat_jsonl
+    from .chat import load_chat_jsonl
+    from .data import ChatDataset
 
     conversations, report = load_chat_jsonl(config.data, on_error=config.on_bad_line)
     log.info("data %s: %s", config.data, report)
@@ -520,16 +337,12 @@ def dataset_items(dataset) -> list[dict]:
     return items
 
 
-def target_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
-    """The frozen target runs in bf16 when training uses bf16 autocast (its forward is most of the
-    cost on a GPU), else in fp32."""
-    return _precision(config, device)
-
-
 def load_target(config: TrainConfig, device: torch.device, path=None):
+    """The frozen target of --target (or `path`): in bf16 when training uses bf16 autocast (its forward
+    is most of the cost on a GPU), else in fp32."""
     from .target import Target
 
-    return Target.load(path or config.target, device=device, dtype=target_dtype(config, device),
+    return Target.load(path or config.target, device=device, dtype=precision(config, device),
                        layer_ids=config.target_layer_ids, mask_token=config.mask_token)
 
 

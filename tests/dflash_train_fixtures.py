@@ -17,8 +17,8 @@ import torch
 def save_chat_target(out_dir: Path, *, hidden_size: int = 32, num_layers: int = 4, seed: int = 0) -> Path:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from dflash.demo import demo_conversations
-    from dflash.tokenizer import build_chat_tokenizer
+    from dflash.demo.corpus import demo_conversations
+    from dflash.demo.tokenizer import build_chat_tokenizer
 
     texts = [m["content"] for c in demo_conversations(200, seed=123) for m in c]
     tokenizer = build_chat_tokenizer(texts, vocab_size=320)
@@ -42,7 +42,7 @@ def save_chat_target(out_dir: Path, *, hidden_size: int = 32, num_layers: int = 
 
 def write_chat_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
     """`n` built-in demo conversations as a chat JSONL ({"messages": [...]} per line)."""
-    from dflash.demo import demo_conversations
+    from dflash.demo.corpus import demo_conversations
 
     path = Path(path)
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in demo_conversations(n, seed=seed)))

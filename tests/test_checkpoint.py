@@ -4,14 +4,16 @@ refusal to resume against another target / drafter shape / data, pruning."""
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
 
 from dflash import checkpoint as ckpt
 from dflash.config import TrainConfig
+from dflash.errors import CheckpointError
 from dflash.model import Drafter, DrafterConfig
-from dflash.train import lr_lambda
+from dflash.schedule import lr_lambda
 
 
 def _drafter_config(**overrides) -> DrafterConfig:
@@ -64,13 +66,11 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     first = _save(tmp_path, 1, parts)
     before = (first / ckpt.STATE_FILE).read_bytes()
 
-    def disk_full(obj, f, *args, **kwargs):
-        with open(f, "wb") as fh:  # half a file, then the disk is full
-            fh.write(b"\x80\x02partial")
+    def disk_full(fd):  # the bytes went out, but the disk fills before they are on it
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(ckpt.CheckpointError, match="No space left.*previous checkpoint is intact"):
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(CheckpointError, match="No space left.*previous checkpoint is intact"):
         _save(tmp_path, 2, parts)
     assert ckpt.read_latest(tmp_path) == "step-00000001"
     assert ckpt.latest_checkpoint(tmp_path) == first
@@ -82,7 +82,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_truncated_state_file_gives_a_clear_error(tmp_path):
     path = _save(tmp_path, 1, _parts())
     (path / ckpt.STATE_FILE).write_bytes(b"PK\x03\x04 truncated")
-    with pytest.raises(ckpt.CheckpointError, match="cannot load .*Delete"):
+    with pytest.raises(CheckpointError, match="cannot load .*Delete"):
         ckpt.load_state(path)
 
 
@@ -105,21 +105,21 @@ def test_same_step_twice_replaces_it(tmp_path):
 def test_resume_refuses_another_target(tmp_path):
     path = _save(tmp_path, 1, _parts())
     other = _drafter_config(target_fingerprint="beef").to_dict()
-    with pytest.raises(ckpt.CheckpointError, match="different target .*f00d.*beef"):
+    with pytest.raises(CheckpointError, match="different target .*f00d.*beef"):
         ckpt.check_compatible(path, other, "data0")
 
 
 def test_resume_refuses_another_drafter_shape(tmp_path):
     path = _save(tmp_path, 1, _parts())
     other = _drafter_config(num_layers=2, block_size=8).to_dict()
-    with pytest.raises(ckpt.CheckpointError, match="different shape .*block_size: checkpoint 4, now 8.*num_layers"):
+    with pytest.raises(CheckpointError, match="different shape .*block_size: checkpoint 4, now 8.*num_layers"):
         ckpt.check_compatible(path, other, "data0")
 
 
 def test_resume_refuses_other_data(tmp_path):
     path = _save(tmp_path, 1, _parts(), fingerprint="data0")
     ckpt.check_compatible(path, _drafter_config().to_dict(), "data0")  # the same run fits
-    with pytest.raises(ckpt.CheckpointError, match="different data"):
+    with pytest.raises(CheckpointError, match="different data"):
         ckpt.check_compatible(path, _drafter_config().to_dict(), "data1")
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from dflash.cli import main, train_main, train_parser
-from dflash.config import DEMO_DEFAULTS, ConfigError, TrainConfig, from_args
+from dflash.config import DEMO_DEFAULTS, TrainConfig, from_args
+from dflash.errors import ConfigError
 from dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,5 @@
-"""dflash.data: JSONL parsing, assistant-only loss masks, drop counts, bucketing, collate, regenerate."""
+"""dflash.chat, dflash.data, dflash.regenerate: JSONL parsing, assistant-only loss masks, drop counts,
+bucketing, collate, regenerate."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import random
 import pytest
 import torch
 
-from dflash.data import (
-    ChatDataset, DataError, collate, generate_replies, load_chat_jsonl, make_batches, padding_fraction,
-    regenerate, shard_batches, tokenize_conversation,
-)
-from dflash.demo import demo_conversations
-from dflash.tokenizer import CHAT_TEMPLATE, IM_END, build_chat_tokenizer
+from dflash.chat import load_chat_jsonl
+from dflash.data import ChatDataset, collate, make_batches, padding_fraction, tokenize_conversation
+from dflash.demo.corpus import demo_conversations
+from dflash.demo.tokenizer import CHAT_TEMPLATE, IM_END, build_chat_tokenizer
+from dflash.errors import DataError
+from dflash.regenerate import generate_replies, regenerate
 
 # ChatML without {% generation %} tags: the mask must come out the same through prefix rendering.
 PLAIN_CHATML = (
@@ -172,13 +173,6 @@ def test_bucketing_wastes_little_padding():
 def test_batches_refuse_too_small_token_cap():
     with pytest.raises(ValueError, match="smaller than the longest sample"):
         make_batches([10, 500], max_tokens=100, batch_size=4, seed=0, epoch=0)
-
-
-def test_shards_are_equal_and_disjoint():
-    batches = [[i] for i in range(11)]
-    shards = [shard_batches(batches, r, 4) for r in range(4)]
-    assert [len(s) for s in shards] == [2, 2, 2, 2]
-    assert len({b[0] for s in shards for b in s}) == 8
 
 
 def test_collate_pads_right():

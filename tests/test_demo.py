@@ -10,9 +10,8 @@ import os
 
 import pytest
 
-from dflash.demo import (
-    DemoSpec, answer_diversity, build_demo_target, demo_conversations, probe_greedy, read_demo_record,
-)
+from dflash.demo.corpus import demo_conversations
+from dflash.demo.target import DemoSpec, answer_diversity, build_demo_target, probe_greedy, read_demo_record
 from dflash.target import Target
 
 
@@ -75,7 +74,7 @@ def test_incomplete_build_is_rebuilt(tmp_path):
 
 
 def test_default_cache_dir_follows_env(tmp_path, monkeypatch):
-    from dflash.demo import default_demo_dir
+    from dflash.demo.target import default_demo_dir
 
     monkeypatch.setenv("DFLASH_DEMO_CACHE", str(tmp_path))
     assert default_demo_dir() == tmp_path

@@ -17,7 +17,9 @@ import torch
 
 from dflash import checkpoint as ckpt
 from dflash.config import TrainConfig
-from dflash.train import build_blocks, lr_lambda, sample_anchors, train
+from dflash.blocks import build_blocks, sample_anchors
+from dflash.schedule import lr_lambda
+from dflash.train import train
 from dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -199,7 +201,7 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
     import types as _types
 
     from dflash.target import Target
-    from dflash.train import TrainError
+    from dflash.errors import TrainError
     from dflash_tiny import qwen3_5_config
 
     config = qwen3_5_config(4)
@@ -218,7 +220,8 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
 
 
 def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
-    from dflash.config import ConfigError, TrainConfig
+    from dflash.config import TrainConfig
+    from dflash.errors import ConfigError
     from dflash.train import attention_impl
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -1,11 +1,11 @@
-"""The built-in demo: a tiny Qwen3.5-style hybrid target that has really learned something.
+"""The demo target: a tiny Qwen3.5-style hybrid that has really learned something.
 
 `dflash-train` with no arguments needs a target that runs on a CPU in seconds, yet behaves like a
 language model: a random-weight model repeats one token, which makes any drafter look perfect. So the
-demo target is pre-trained briefly on a synthetic chat corpus with learnable structure (counting,
-letter and calendar sequences, small fact lookups, copying), and its greedy continuations are varied.
+demo target is pre-trained briefly on the synthetic chat corpus (dflash.demo.corpus), and its greedy
+continuations are varied.
 
-    corpus (10 task templates, ChatML) --> byte-level BPE tokenizer (dflash.tokenizer, with <|mask|>)
+    corpus (10 task templates, ChatML) --> byte-level BPE tokenizer (dflash.demo.tokenizer, with <|mask|>)
                                        --> Qwen3_5ForCausalLM, model_type qwen3_5_text:
                                            GatedDeltaNet layers + full-attention layers (3:1 as in Qwen3.5)
                                        --> pre-train, probe greedy answers, save as an HF directory
@@ -23,9 +23,7 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
-import string
 import sys
 import tempfile
 import time
@@ -35,134 +33,12 @@ from pathlib import Path
 
 import torch
 
+from wheelbuilder.fsutil import atomic_write
+
+from .corpus import corpus_texts, demo_conversations
+
 log = logging.getLogger(__name__)
 
-# --------------------------------------------------------------------------------------------------
-# The synthetic corpus. Each task turns a random draw into (prompt, answer); answers are deterministic
-# functions of the prompt and run for 20-60 tokens, so several future tokens are predictable from the
-# context: exactly what a DFlash drafter has to learn.
-# --------------------------------------------------------------------------------------------------
-
-WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
-MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august", "september",
-          "october", "november", "december"]
-COLORS = ["red", "blue", "green", "yellow", "black", "white", "orange", "purple"]
-WORDS = ["apple", "river", "stone", "cloud", "tree", "house", "bird", "light", "road", "fire", "sea",
-         "book", "hill", "rain", "star", "wind"]
-# animal -> (home, food, trait): a small table the target memorises, answered in a fixed sentence frame
-ANIMALS = {
-    "fox": ("forest", "mice", "quick"), "owl": ("barn", "insects", "wise"), "cat": ("house", "fish", "lazy"),
-    "dog": ("yard", "meat", "loyal"), "bear": ("cave", "honey", "strong"), "frog": ("pond", "flies", "green"),
-    "horse": ("field", "hay", "fast"), "duck": ("lake", "bread", "noisy"), "wolf": ("mountain", "deer", "wild"),
-    "mouse": ("wall", "cheese", "small"), "goat": ("hill", "grass", "stubborn"), "bee": ("hive", "nectar", "busy"),
-}
-
-
-def _count(rng: random.Random) -> tuple[str, str]:
-    start = rng.randint(0, 60)
-    step = rng.choice([1, 1, 1, 2, 3, 5])
-    seq = [start + k * step for k in range(rng.randint(10, 18))]
-    verb = "count" if step == 1 else f"count by {step}"
-    return f"{verb} from {seq[0]} to {seq[-1]}", ", ".join(map(str, seq)) + "."
-
-
-def _countdown(rng: random.Random) -> tuple[str, str]:
-    start = rng.randint(14, 60)
-    seq = list(range(start, start - rng.randint(10, 14), -1))
-    return f"count down from {seq[0]} to {seq[-1]}", ", ".join(map(str, seq)) + ", done."
-
-
-def _letters(rng: random.Random) -> tuple[str, str]:
-    a = rng.randint(0, 12)
-    b = min(25, a + rng.randint(10, 16))
-    letters = string.ascii_lowercase[a:b + 1]
-    return f"letters from {letters[0]} to {letters[-1]}", " ".join(letters) + "."
-
-
-def _cycle(rng: random.Random, names: list[str], unit: str) -> tuple[str, str]:
-    i = rng.randrange(len(names))
-    n = rng.randint(6, 11)
-    after = [names[(i + k) % len(names)] for k in range(1, n + 1)]
-    return f"name {n} {unit}s after {names[i]}", f"after {names[i]} come " + ", ".join(after) + "."
-
-
-def _weekdays(rng: random.Random) -> tuple[str, str]:
-    return _cycle(rng, WEEKDAYS, "day")
-
-
-def _months(rng: random.Random) -> tuple[str, str]:
-    return _cycle(rng, MONTHS, "month")
-
-
-def _animal(rng: random.Random) -> tuple[str, str]:
-    name = rng.choice(sorted(ANIMALS))
-    home, food, trait = ANIMALS[name]
-    return (f"tell me about the {name}",
-            f"the {name} lives in the {home}. it eats {food}. the {name} is {trait}. "
-            f"every {name} likes its {home} and its {food}.")
-
-
-def _repeat(rng: random.Random) -> tuple[str, str]:
-    words = " ".join(rng.sample(WORDS + COLORS, rng.randint(4, 8)))
-    return f"repeat after me: {words}", f"you said: {words}. again: {words}."
-
-
-def _reverse(rng: random.Random) -> tuple[str, str]:
-    words = rng.sample(WORDS, rng.randint(4, 7))
-    forward, backward = " ".join(words), " ".join(reversed(words))
-    return f"reverse: {forward}", f"forward: {forward}. reversed: {backward}."
-
-
-def _times(rng: random.Random) -> tuple[str, str]:
-    a, n = rng.randint(2, 9), rng.randint(4, 8)
-    return f"times table of {a} up to {n}", ", ".join(f"{a} times {k} is {a * k}" for k in range(1, n + 1)) + "."
-
-
-def _colors(rng: random.Random) -> tuple[str, str]:
-    color = rng.choice(COLORS)
-    things = rng.sample(WORDS, rng.randint(4, 6))
-    return (f"describe a {color} scene",
-            ", ".join(f"a {color} {t}" for t in things[:-1]) + f" and a {color} {things[-1]}.")
-
-
-TASKS = [_count, _countdown, _letters, _weekdays, _months, _animal, _repeat, _reverse, _times, _colors]
-
-
-def sample_exchange(rng: random.Random) -> tuple[str, str]:
-    """One (prompt, answer) pair from a uniformly chosen task."""
-    return rng.choice(TASKS)(rng)
-
-
-def demo_conversations(n: int, seed: int = 0, turns: tuple[int, int] = (2, 3)) -> list[list[dict]]:
-    """`n` built-in chat conversations: [{"role": "user"|"assistant", "content": str}, ...].
-
-    Each has between turns[0] and turns[1] user/assistant exchanges (several short answers give a
-    sample the >= 2 x block_size supervised tokens training asks for). The assistant answers are the
-    templates' reference answers: placeholders that `dflash.data.regenerate` replaces with the
-    target's own responses (the target imitates them only as well as its short pre-training allows).
-    """
-    lo, hi = turns
-    if not 1 <= lo <= hi:
-        raise ValueError(f"turns must be (min, max) with 1 <= min <= max, got {turns}")
-    rng = random.Random(seed)
-    convs = []
-    for _ in range(n):
-        messages = []
-        for _ in range(rng.randint(lo, hi)):
-            prompt, answer = sample_exchange(rng)
-            messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-        convs.append(messages)
-    return convs
-
-
-def _train_texts(convs: list[list[dict]]) -> list[str]:
-    """Plain text for the BPE trainer: roles and contents as the chat template lays them out."""
-    return ["\n".join(f"{m['role']}\n{m['content']}" for m in messages) for messages in convs]
-
-
-# --------------------------------------------------------------------------------------------------
-# Building the target
-# --------------------------------------------------------------------------------------------------
 BUILD_VERSION = 1  # bump whenever the corpus, tokenizer, model shape or recipe changes meaning
 RECORD = "demo.json"  # written last: a directory without a matching record is not a finished build
 
@@ -300,7 +176,7 @@ def _new_model(spec: DemoSpec, tokenizer):
 def _route_kernels(model) -> None:
     # transformers 5.24 sends CPU tensors to fla's Triton kernels when fla is installed; route them
     # to the torch references as the target does (see dflash.target).
-    from dflash.target import route_kernels_by_device
+    from ..target import route_kernels_by_device
 
     route_kernels_by_device(sys.modules[type(model).__module__])
 
@@ -343,7 +219,7 @@ def answer_diversity(answers: list[list[int]]) -> dict:
 
 def probe_greedy(model, tokenizer, n_prompts: int = 16, max_new_tokens: int = 48, seed: int = 99) -> dict:
     """Greedy answers to held-out demo prompts: diversity, exact-match rate, and a few samples."""
-    from dflash.data import generate_replies
+    from ..regenerate import generate_replies
 
     convs = demo_conversations(n_prompts, seed=seed, turns=(1, 1))
     replies, n_cut = generate_replies(model, tokenizer, [c[:1] for c in convs], max_new_tokens)
@@ -355,12 +231,12 @@ def probe_greedy(model, tokenizer, n_prompts: int = 16, max_new_tokens: int = 48
 
 def _build_into(path: Path, spec: DemoSpec, progress: bool) -> None:
     """Build tokenizer + model, pre-train, probe, and save everything (record last) into `path`."""
-    from dflash.tokenizer import build_chat_tokenizer
+    from .tokenizer import build_chat_tokenizer
 
     started, cpu_started = time.monotonic(), time.process_time()
     # the corpus seed is derived, so demo_conversations(n, seed) prompts are not the corpus verbatim
     corpus = demo_conversations(spec.corpus_size, seed=spec.seed + 7919)
-    tokenizer = build_chat_tokenizer(_train_texts(corpus), spec.vocab_size)
+    tokenizer = build_chat_tokenizer(corpus_texts(corpus), spec.vocab_size)
     model = _new_model(spec, tokenizer)
     _route_kernels(model)
     texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in corpus]
@@ -379,6 +255,7 @@ def _build_into(path: Path, spec: DemoSpec, progress: bool) -> None:
         "cpu_seconds": round(time.process_time() - cpu_started, 1), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    (path / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write(path / RECORD, json.dumps(record, indent=2) + "\n")
     log.info("demo target built in %.0f s: loss %s -> %s, greedy answers use %d distinct tokens",
              record["seconds"], record["loss_first"], record["loss_last10"], probe["distinct_tokens"])
+

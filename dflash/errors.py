@@ -1,0 +1,53 @@
+"""The errors of the `dflash`, `dflash-train` and `dflash-eval` programs, one class per failure, each
+with its own exit code (as wheelbuilder/errors.py does for the build side).
+
+Messages say what failed, the values seen, and what to do next. The command lines (`dflash.cli`) catch
+DflashError, print its message and exit with its code; everything below them only raises, so tests call
+the functions directly. Each class also keeps the built-in base it has always had (ValueError,
+RuntimeError), so callers that catch those still do.
+
+    1  DflashError      (base; also `dflash-eval` when the output was not lossless)
+    2  ConfigError      a bad option, or options that contradict each other
+    3  CheckpointError  a checkpoint cannot be written, or does not fit the run resuming it
+    4  TrainError       training cannot go on (out of memory, no usable sample)
+    5  TargetError      the target model cannot be loaded or tapped as asked
+    6  DataError        the training data cannot be read or tokenised
+"""
+
+from __future__ import annotations
+
+
+class DflashError(Exception):
+    """A failure that stops a dflash command; `str()` is the full, user-facing message."""
+
+    exit_code = 1
+
+
+class ConfigError(DflashError, ValueError):
+    """An option has a bad value or options contradict each other; the message says which and the fix."""
+
+    exit_code = 2
+
+
+class CheckpointError(DflashError, RuntimeError):
+    """A checkpoint cannot be written or does not fit this run; the message says why and what to do."""
+
+    exit_code = 3
+
+
+class TrainError(DflashError, RuntimeError):
+    """Training cannot go on (out of memory, no usable data); the message names the knob to turn."""
+
+    exit_code = 4
+
+
+class TargetError(DflashError, ValueError):
+    """The target cannot be loaded or used as asked (no config.json, bad layer ids, no mask token)."""
+
+    exit_code = 5
+
+
+class DataError(DflashError, ValueError):
+    """Bad training data; the message names the file, line or sample and says how to fix it."""
+
+    exit_code = 6

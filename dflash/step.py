@@ -1,0 +1,87 @@
+"""One training step of the drafter on one micro-batch: the code the trainer runs and bench_train times.
+
+For a micro-batch of sequences [B,T] with loss mask [B,T] (this rank's share of a global micro-batch):
+
+    blocks    build_blocks(input_ids, loss_mask * attention_mask, anchors)      (see dflash.blocks)
+    context   target.context(input_ids)                                  [B, T, k*H]   (no grad)
+    embeds    target.embed(blocks)                                       [B, N*bs, H]  (no grad)
+    hidden    drafter(context, embeds, anchors, ...)                     [B, N*bs, H]
+    loss sum  weighted_ce_from_hidden: target.lm_head on the scored positions, a chunk of rows at a
+              time; CE at block positions 1..bs-1, weighted exp(-(k-1)/gamma), summed (not averaged)
+
+`micro_batch_sums` returns sums, so micro-batches and ranks add up exactly; `backward` divides by the
+loss weight summed over ALL ranks (one all-reduce), so N processes compute the gradient one process
+would compute on the whole global micro-batch. Nothing here reads a tensor back to the host: the
+statistics stay on the device until the trainer logs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import distributed
+from .blocks import build_blocks
+from .losses import weighted_ce_from_hidden
+
+
+@dataclass
+class StepSums:
+    """What one micro-batch adds to an optimizer step; tensors on the device, summed (never averaged)."""
+
+    loss_sum: torch.Tensor  # [] float32: sum of w_k * CE over the valid labels (has the graph)
+    weight: torch.Tensor    # [] float32: sum of w_k over the valid labels (loss = loss_sum / weight)
+    correct: torch.Tensor   # [bs-1] float32: correct top-1 guesses per block position
+    valid: torch.Tensor     # [bs-1] float32: valid labels per block position
+    tokens: torch.Tensor    # [] float32: real (unpadded) tokens of the micro-batch
+    anchors: torch.Tensor   # [] float32: valid anchors (blocks) of the micro-batch
+
+    def detached(self) -> "StepSums":
+        return StepSums(*(t.detach() for t in (self.loss_sum, self.weight, self.correct, self.valid,
+                                               self.tokens, self.anchors)))
+
+
+def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: list[torch.Tensor], *,
+                     block_size: int, gamma: float | None, autocast_dtype: torch.dtype,
+                     mark: Callable[[str], None] | None = None) -> StepSums:
+    """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
+
+    batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate); anchors: one
+    sorted [n_b] position tensor per row (dflash.blocks.sample_anchors). `drafter` may be the DDP
+    wrapper. `mark(phase)` is called after "target forward" and after "drafter forward" (a benchmark
+    synchronises and reads its clock there; training passes None).
+    """
+    ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    blocks = build_blocks(ids, loss_mask * attn, anchors, block_size, target.mask_token_id)
+    B, N = blocks.anchors.shape
+    context = target.context(ids, attn)
+    with torch.no_grad():
+        block_embeds = target.embed(blocks.block_ids.view(B, N * block_size))
+    if mark:
+        mark("target forward")
+    amp = torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32)
+    with amp:
+        hidden = drafter(context, block_embeds, blocks.anchors, attn.bool(), blocks.anchor_valid)
+        # The LM head runs on the scored positions only, a chunk at a time (never the full
+        # [anchors x block x vocab] logits).
+        loss_sum, weight, correct = weighted_ce_from_hidden(hidden.view(B, N, block_size, -1), target.lm_head,
+                                                            blocks.labels, blocks.label_valid, gamma)
+    if mark:
+        mark("drafter forward")
+    return StepSums(loss_sum=loss_sum, weight=weight, correct=correct.sum((0, 1)).float(),
+                    valid=blocks.label_valid.sum((0, 1)).float(), tokens=attn.sum().float(),
+                    anchors=blocks.anchor_valid.sum().float())
+
+
+def backward(sums: StepSums, d: distributed.Dist, grad_accum: int) -> None:
+    """Backward of loss_sum / (loss weight of all ranks x grad_accum), times world size (DDP averages
+    gradients over ranks): the gradient of one process over the whole global micro-batch.
+
+    Under DDP, the forward and this backward of a micro-batch that only accumulates run inside
+    `ddp.no_sync()` (the caller's; DDP reads the flag in the forward).
+    """
+    global_w = distributed.all_reduce_sum(d, sums.weight.detach().clone())
+    scale = d.world_size / (global_w.clamp(min=1e-12) * grad_accum)
+    (sums.loss_sum * scale).backward()
