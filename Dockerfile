@@ -11,9 +11,14 @@
 # No `# syntax=` line on purpose: it makes BuildKit pull a frontend image, which offline hosts cannot.
 
 # Base images come from targets.toml ([toolkits.*].builder_base / runtime_base); these defaults are the
-# default target's (cu128-sm120).
-ARG BUILDER_BASE=nvidia/cuda:12.8.1-devel-ubuntu24.04
-ARG RUNTIME_BASE=nvidia/cuda:12.8.1-base-ubuntu24.04
+# default target's (cu128-sm120): the offline Debian base for both, as for the cu130 targets.
+ARG BUILDER_BASE=dflash-base:bookworm
+ARG RUNTIME_BASE=dflash-base:bookworm
+# Where nvcc comes from ([toolkits.*].kind): "pypi" (NVIDIA's wheels in the builder lock) or "image"
+# (copied out of CUDA_IMAGE, which the CLI passes by digest from locks/images.toml after checking the
+# local image against it). Only the toolkit-image stage reads CUDA_IMAGE, so a pypi target never pulls it.
+ARG TOOLKIT_KIND=image
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
 # Which OS stage python-torch starts from: builder-os for `--target wheels`/`toolkit`, runtime-os for
 # `--target runtime` (the CLI sets it). Where both bases are one image (the cu130 targets), the
 # python-torch layers of the two builds are identical and stored once.
@@ -21,6 +26,7 @@ ARG TORCH_ENV_FROM=builder-os
 
 FROM ${BUILDER_BASE} AS builder-os
 FROM ${RUNTIME_BASE} AS runtime-os
+FROM ${CUDA_IMAGE} AS cuda-image
 
 ###################################################################################################
 # python-torch: a venv with the target's exact torch and its CUDA libraries (locks/<lock>/common.txt:
@@ -49,9 +55,10 @@ RUN --mount=type=secret,id=ca \
  && pip install --progress-bar off --require-hashes --no-deps -r /opt/dflash/locks/common.txt
 
 ###################################################################################################
-# toolkit: + the C++ compiler, and (pypi toolkits) NVIDIA's CUDA wheels as CUDA_HOME
+# toolkit: + the C++ compiler, and nvcc: NVIDIA's CUDA wheels (toolkit-pypi) or the devel image's
+# compiler (toolkit-image)
 ###################################################################################################
-FROM python-torch AS toolkit
+FROM python-torch AS toolkit-common
 ARG TORCH_LOCK=cu128
 RUN apt-get update -qq \
  && apt-get install -y -qq --no-install-recommends python3-dev g++ ccache \
@@ -61,6 +68,28 @@ COPY locks/${TORCH_LOCK}/builder.txt /opt/dflash/locks/builder.txt
 RUN --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
  && pip install --progress-bar off --require-hashes -r /opt/dflash/locks/builder.txt
+
+# CUDA_HOME is site-packages/nvidia/cu13, made usable by `wheelbuilder prepare-toolkit` (wheel-build).
+FROM toolkit-common AS toolkit-pypi
+
+# nvcc 12.8 is on no PyPI wheel and in no Debian release: copy the compiler, its headers and cudart out of
+# the devel image, in its own layout (nvcc.profile looks in targets/x86_64-linux). Not its CUDA libraries
+# (GBs): torch's wheels bring those. The devel image stays out of the layers; `nvcc --version` proves the
+# copy runs on this base.
+FROM toolkit-common AS toolkit-image
+# The devel image's CUDA directory for this release ([toolkits.*].cuda, e.g. /usr/local/cuda-12.8).
+ARG CUDA_IMAGE_HOME=/usr/local/cuda-12.8
+COPY --from=cuda-image ${CUDA_IMAGE_HOME}/bin /usr/local/cuda/bin
+COPY --from=cuda-image ${CUDA_IMAGE_HOME}/nvvm /usr/local/cuda/nvvm
+COPY --from=cuda-image ${CUDA_IMAGE_HOME}/targets/x86_64-linux/include /usr/local/cuda/targets/x86_64-linux/include
+COPY --from=cuda-image ${CUDA_IMAGE_HOME}/targets/x86_64-linux/lib/libcudart* /usr/local/cuda/targets/x86_64-linux/lib/
+# Where wheelbuilder and torch.utils.cpp_extension look for nvcc.
+ENV CUDA_HOME=/usr/local/cuda
+RUN ln -s targets/x86_64-linux/include /usr/local/cuda/include \
+ && ln -s targets/x86_64-linux/lib /usr/local/cuda/lib64 \
+ && /usr/local/cuda/bin/nvcc --version
+
+FROM toolkit-${TOOLKIT_KIND} AS toolkit
 
 ###################################################################################################
 # wheel-build: fetch the pinned sdist, patch its arch flags, compile, repack deterministically, audit
@@ -103,13 +132,12 @@ FROM scratch AS wheels
 COPY --from=wheel-build /out/ /
 
 ###################################################################################################
-# runtime: slim image with the locked torch, the audited wheels, fla, transformers and dflash
+# runtime-env: the runtime image without the wheels: the locked torch, fla, transformers and dflash
+# (what a target's runtime is checked against where its wheels cannot be built)
 ###################################################################################################
-FROM python-torch AS runtime
+FROM python-torch AS runtime-env
 ARG TARGET=cu128-sm120
 ARG TORCH_LOCK=cu128
-# Set to 0 only to build a deliberately broken image for tests of the health check.
-ARG BUILD_CHECK=1
 ENV PYTHONUNBUFFERED=1 \
     DFLASH_TARGET=${TARGET} \
     DFLASH_STATE_DIR=/tmp/dflash \
@@ -131,6 +159,15 @@ COPY wheelbuilder /opt/dflash/src/wheelbuilder
 COPY images /opt/dflash/src/images
 COPY dflash /opt/dflash/src/dflash
 RUN pip install --no-deps --no-build-isolation /opt/dflash/src
+
+###################################################################################################
+# runtime: slim image with the locked torch, the audited wheels, fla, transformers and dflash
+###################################################################################################
+FROM runtime-env AS runtime
+ARG TARGET=cu128-sm120
+ARG TORCH_LOCK=cu128
+# Set to 0 only to build a deliberately broken image for tests of the health check.
+ARG BUILD_CHECK=1
 # The audited wheels: bind-mounted (never a layer), checked against their manifest's sha256 first.
 RUN --mount=type=bind,source=dist/wheels,target=/wheels \
     python -m wheelbuilder verify --dir /wheels/${TARGET} \

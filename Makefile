@@ -13,7 +13,7 @@ CTID    ?=
 PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-image bench-push push clean
+.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-image bench-push push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -35,8 +35,11 @@ engine: venv  ## make sure a Docker engine with BuildKit runs (installs Debian's
 base: engine  ## bootstrap the offline Debian base image dflash-base:bookworm (debootstrap + docker import)
 	$(PY) -m images base
 
-lock: venv  ## regenerate locks/ from targets.toml and locks/*.in (needs uv and the torch index)
-	$(PY) -m wheelbuilder lock
+lock: venv  ## regenerate the PyPI locks and locks/dev.txt; TARGET=… given: that target's lock, whatever its index
+	$(PY) -m wheelbuilder lock $(if $(filter command line,$(origin TARGET)),--target $(TARGET))
+
+pin-images: engine  ## pull the CUDA devel images the builders copy nvcc from; record their digests in locks/images.toml
+	$(PY) -m images pin-images
 
 wheels: engine  ## build the target's wheels in the builder stage -> dist/wheels/$(TARGET)/
 	$(PY) -m images wheels --target $(TARGET)

@@ -18,7 +18,7 @@ import sys
 from wheelbuilder.errors import run_cli
 
 # Modules that add their own subcommands through `register(subparsers)`.
-SUBCOMMAND_MODULES = ("images.build", "images.export", "images.push")
+SUBCOMMAND_MODULES = ("images.build", "images.pins", "images.export", "images.push")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -56,38 +56,45 @@ def git_revision() -> str:
 
 def base_args(target: tg.Target, torch_env_from: str) -> dict[str, str]:
     """Build args shared by every stage; `torch_env_from` is the OS stage python-torch starts from
-    (builder-os or runtime-os: the same image for the cu130 targets, so the torch layer is shared)."""
-    lock_dir = REPO_ROOT / "locks" / target.torch.lock
-    for name in ("common.txt", "builder.txt", "runtime.txt"):
-        if not (lock_dir / name).is_file():
-            raise ConfigurationError(
-                f"locks/{target.torch.lock}/{name} is missing: target {target.name} installs torch "
-                f"{target.torch.version} from {target.torch.index} with hashes from it. Generate it with "
-                f"`make lock` on a machine that reaches that index, and commit it."
-            )
-    return {
+    (builder-os or runtime-os: the same image for every target now, so the torch layer is shared)."""
+    from wheelbuilder.lock import image_pin, require_locks
+
+    require_locks(target)
+    args = {
         "TARGET": target.name,
         "TORCH_LOCK": target.torch.lock,
         "BUILDER_BASE": target.toolkit.builder_base,
         "RUNTIME_BASE": target.toolkit.runtime_base,
         "TORCH_ENV_FROM": torch_env_from,
+        "TOOLKIT_KIND": target.toolkit.kind,
     }
+    if target.toolkit.kind == "image":
+        # By digest once locks/images.toml holds one (images.pins records it at the first pull).
+        pin = image_pin(target)
+        args |= {"CUDA_IMAGE": pin.by_digest if pin.digest else pin.ref,
+                 "CUDA_IMAGE_HOME": target.toolkit.image_cuda_home}
+    return args
 
 
 def ensure_base(target: tg.Target) -> None:
-    """The offline Debian base is made here when the target uses it; registry images are pulled by
-    BuildKit itself (and fail there with the registry's own message when unreachable)."""
+    """The offline Debian base is made here when the target uses it (every target does); a devel image
+    nvcc is copied from is pulled and checked by images.pins before a builder stage."""
     from .base import DEFAULT_TAG, bootstrap
 
     if DEFAULT_TAG in (target.toolkit.builder_base, target.toolkit.runtime_base) and not image_exists(DEFAULT_TAG):
         bootstrap()
 
 
-def _prepare(target: tg.Target, what: str, log_name: str) -> Path:
-    """Before any build: an engine, room on its disk, the target's base image; the log file's path."""
+def _prepare(target: tg.Target, what: str, log_name: str, *, builder: bool = False) -> Path:
+    """Before any build: an engine, room on its disk, the target's base image (and for a builder stage
+    the devel image nvcc is copied from, checked against its pin); the log file's path."""
     ensure_engine()
     ensure_free_space(target.torch.lock, what)
     ensure_base(target)
+    if builder and target.toolkit.kind == "image":
+        from .pins import ensure_toolkit_image
+
+        ensure_toolkit_image(target)
     LOGS.mkdir(exist_ok=True)
     return LOGS / log_name
 
@@ -108,7 +115,7 @@ def build_wheels(target: tg.Target, out_dir: Path | None = None, *, rebuild: str
     if dry_run:
         print(" ".join(wheels_spec(target, out_dir / ".staging").command()))
         return out_dir
-    log = _prepare(target, f"the wheels for {target.name}", f"wheels-{target.name}.log")
+    log = _prepare(target, f"the wheels for {target.name}", f"wheels-{target.name}.log", builder=True)
     with exclusive(out_dir):
         staging = out_dir / f".staging-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -147,6 +154,10 @@ def toolkit_tag(target: tg.Target) -> str:
 
 def build_toolkit(target: tg.Target) -> str:
     tag = toolkit_tag(target)
+    if target.toolkit.kind == "image":
+        from .pins import ensure_toolkit_image
+
+        ensure_toolkit_image(target)
     spec = BuildSpec(stage="toolkit", build_args=base_args(target, "builder-os"), tag=tag)
     run(spec.command(), env=dict(os.environ, DOCKER_BUILDKIT="1"), log=LOGS / f"toolkit-{target.name}.log",
         on_line=_stage_progress)
