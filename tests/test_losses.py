@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.losses import default_gamma, dflash_loss, dflash_loss_from_hidden, position_weights
+from dflash.losses import (
+    default_gamma, dflash_loss, dflash_loss_from_hidden, position_weights, weighted_ce_from_hidden,
+)
 
 
 def test_default_gamma_known_values_and_rule():
@@ -141,3 +143,21 @@ def test_chunked_loss_with_nothing_valid_is_zero_with_a_graph():
                                           torch.zeros(1, 2, 3, dtype=torch.bool))
     loss.backward()
     assert loss.item() == 0.0 and stats["n_valid"] == 0 and hidden.grad is not None
+
+
+def test_weighted_sum_is_the_loss_before_its_normalisation():
+    """The training step's sums: ce_sum / weight is the loss, weight is sum(w_k * valid), and the
+    correct mask counts what acc_per_pos reports, with no division to undo."""
+    g = torch.Generator().manual_seed(3)
+    B, N, bs, H, V = 2, 3, 5, 8, 11
+    head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
+    hidden = torch.randn(B, N, bs, H, generator=g)
+    labels = torch.randint(0, V, (B, N, bs - 1), generator=g)
+    valid = torch.rand(B, N, bs - 1, generator=g) > 0.3
+    loss, stats = dflash_loss_from_hidden(hidden, head, labels, valid)
+    ce_sum, weight, correct = weighted_ce_from_hidden(hidden, head, labels, valid)
+    assert weight.item() == pytest.approx((position_weights(bs) * valid).sum().item())
+    assert (ce_sum / weight).item() == pytest.approx(loss.item(), rel=1e-6)
+    assert correct.shape == valid.shape and not (correct & ~valid).any()
+    per_pos = correct.sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)
+    assert torch.equal(per_pos, stats["acc_per_pos"])
