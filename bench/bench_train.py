@@ -131,13 +131,13 @@ def model_flops(target, dcfg: DrafterConfig, input_ids, attention_mask, blocks) 
 
     H, bs = dcfg.hidden_size, dcfg.block_size
     rows = int(blocks.anchor_valid.sum()) * bs
-    q_o_mlp = 2 * H * dcfg.num_heads * dcfg.head_dim + 3 * H * dcfg.intermediate_size
-    k_v = 2 * H * dcfg.num_kv_heads * dcfg.head_dim
+    q_o_mlp = 2 * H * dcfg.num_attention_heads * dcfg.head_dim + 3 * H * dcfg.intermediate_size
+    k_v = 2 * H * dcfg.num_key_value_heads * dcfg.head_dim
     mask = drafter_attention_mask(blocks.anchors, T, bs, attention_mask.bool(), blocks.anchor_valid)
     valid_rows = blocks.anchor_valid.repeat_interleave(bs, dim=1)
     pairs = float(mask[valid_rows].sum())
-    per_layer = 2 * q_o_mlp * rows + 2 * k_v * (tokens + rows) + 4 * dcfg.head_dim * dcfg.num_heads * pairs
-    drafter_f = 3 * (dcfg.num_layers * per_layer + 2 * len(dcfg.target_layer_ids) * H * H * tokens)
+    per_layer = 2 * q_o_mlp * rows + 2 * k_v * (tokens + rows) + 4 * dcfg.head_dim * dcfg.num_attention_heads * pairs
+    drafter_f = 3 * (dcfg.num_hidden_layers * per_layer + 2 * len(dcfg.target_layer_ids) * H * H * tokens)
     scored = int(blocks.label_valid.sum())
     head_f = 4 * H * dcfg.vocab_size * scored
     dense_pairs = rows * (T + blocks.anchors.shape[1] * bs)
@@ -181,7 +181,7 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
     device = target.device
     d = distributed.Dist(rank=0, world_size=1, local_rank=0, device=device)  # this process alone
     torch.manual_seed(0)
-    dcfg = DrafterConfig.from_target(target, num_layers=cfg.drafter_layers, block_size=cfg.block_size)
+    dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.drafter_layers, block_size=cfg.block_size)
     drafter = Drafter(dcfg, attention=attention_impl(cfg, device, dcfg.head_dim)).to(device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
     batch_items = items[: cfg.batch_size]

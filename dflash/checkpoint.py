@@ -6,11 +6,13 @@ Layout of an output dir:
     <out>/train.log
     <out>/checkpoints/latest           name of the newest complete checkpoint (replaced atomically)
     <out>/checkpoints/step-00000300/   one checkpoint
-        drafter/                       Drafter.save_pretrained: config.json + model.safetensors
+        drafter/                       the drafter in the reference DFlash layout (dflash.drafter_io),
+                                       its weights in float32 as trained ("dtype": "float32")
         trainer_state.pt               optimizer, scheduler, RNG, data position, step (tensors and plain
                                        Python values only, so it loads with torch.load(weights_only=True))
         train_config.json              the TrainConfig that wrote it
-    <out>/drafter/                     the final drafter (a copy of the last checkpoint's drafter/)
+    <out>/drafter/                     the final drafter: the last checkpoint's, in bf16 (what vLLM and
+                                       SGLang serve; --drafter-dtype fp32 keeps float32)
 
 A checkpoint is written into a hidden temp dir (every file fsynced) and renamed into place in one
 step; `latest` moves only after that. A failure at any point (disk full, kill -9) leaves the previous
@@ -20,7 +22,6 @@ checkpoint and `latest` untouched.
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
 import shutil
@@ -70,7 +71,7 @@ def save_checkpoint(root: Path, *, step: int, drafter, optimizer, scheduler, tra
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        drafter.save_pretrained(tmp / "drafter")
+        drafter.save_pretrained(tmp / "drafter", dtype=None)  # as trained: resume continues exactly
         state = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -103,13 +104,15 @@ def save_checkpoint(root: Path, *, step: int, drafter, optimizer, scheduler, tra
     return final
 
 
-def export_drafter(checkpoint: Path, dest: Path) -> Path:
-    """Copy a checkpoint's drafter to `dest` (replacing an older one only once the copy is complete)."""
+def export_drafter(checkpoint: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write a checkpoint's drafter to `dest` with its weights in `dtype` (bf16: what the engines
+    serve), replacing an older one only once the new one is complete."""
+    from .drafter_io import load_drafter, save_drafter
+
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    for f in sorted((checkpoint / "drafter").iterdir()):  # config.json, model.safetensors: fsynced copies
-        atomic_write(tmp / f.name, f.read_bytes())
+    save_drafter(load_drafter(checkpoint / "drafter", dtype=torch.float32), tmp, dtype)
     if dest.exists():
         os.replace(dest, old)
     os.replace(tmp, dest)
@@ -161,7 +164,13 @@ def check_compatible(checkpoint: Path, drafter_config: dict, data_fingerprint: s
 
     `drafter_config` is DrafterConfig.to_dict() of the drafter this run would build.
     """
-    saved = json.loads((checkpoint / "drafter" / "config.json").read_text())
+    from .drafter_io import read_drafter_config
+    from .errors import DrafterError
+
+    try:
+        saved = read_drafter_config(checkpoint / "drafter").to_dict()
+    except DrafterError as exc:
+        raise CheckpointError(f"{checkpoint} cannot be resumed: {exc}. Start a new run without --resume.") from exc
     fp_old, fp_new = saved.get("target_fingerprint"), drafter_config.get("target_fingerprint")
     if fp_old != fp_new:
         raise CheckpointError(

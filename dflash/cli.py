@@ -1,10 +1,12 @@
-"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,regenerate,doctor,healthcheck}`.
+"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,export,regenerate,doctor,healthcheck}`.
 
     dflash-train                                          the built-in demo, end to end (prints tau)
     dflash-train --target DIR --data FILE.jsonl --out DIR train a drafter (every option: --help)
     dflash-train --out DIR --resume                       continue a stopped run
     torchrun --nproc-per-node 8 -m dflash.cli train ...   one process per GPU
+    dflash-train --init-drafter DIR ...                   continue training a drafter (a published one too)
     dflash-eval --target DIR --drafter DIR --data FILE.jsonl   tau, tokens/s, losslessness
+    dflash export OLD_DIR NEW_DIR --target DIR            an older project drafter -> the reference layout
     dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl   responses by the target itself
     dflash doctor [...] / dflash healthcheck [...]        kernel report / the image's health check
 
@@ -12,7 +14,7 @@
 a first argument naming a subcommand is dispatched like `dflash <subcommand>`.
 
 This module only parses and dispatches. Every `*_main(argv) -> int` returns an exit code; a DflashError
-(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6) prints one clear message
+(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6, drafter 7) prints one clear message
 instead of a traceback and exits with its code.
 """
 
@@ -26,7 +28,7 @@ from pathlib import Path
 from .config import add_arguments, from_args
 from .errors import ConfigError, DflashError
 
-SUBCOMMANDS = ("train", "eval", "regenerate", "doctor", "healthcheck")
+SUBCOMMANDS = ("train", "eval", "export", "regenerate", "doctor", "healthcheck")
 
 
 def _guard(fn, argv) -> int:
@@ -76,7 +78,8 @@ def eval_parser() -> argparse.ArgumentParser:
                                 description="Speculative decoding with a trained drafter: tau (accepted "
                                             "tokens per target verify step), tokens/s, losslessness.")
     p.add_argument("--target", required=True, help="local HF model dir of the target")
-    p.add_argument("--drafter", required=True, help="drafter dir (Drafter.save_pretrained, e.g. <out>/drafter)")
+    p.add_argument("--drafter", required=True, help="drafter dir in the reference DFlash layout (config.json + "
+                   "model.safetensors): <out>/drafter of dflash-train, or a published drafter")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="chat JSONL: the user turns before each conversation's first answer are the prompts")
     src.add_argument("--prompts", help="text file, one user prompt per line (wrapped in the chat template)")
@@ -92,21 +95,12 @@ def eval_parser() -> argparse.ArgumentParser:
 def _eval(argv) -> int:
     from . import distributed
     from .chat import load_chat_jsonl, prompt_ids
-    from .evaluate import evaluate, evaluate_baseline, format_results
-    from .model import Drafter
-    from .target import Target
+    from .evaluate import evaluate, evaluate_baseline, format_results, load_for_eval
 
     args = eval_parser().parse_args(argv)
     if args.limit < 1 or args.max_new_tokens < 1:
         raise ConfigError("--limit and --max-new-tokens must be at least 1.")
-    device = distributed.pick_device(args.device, 0)
-    drafter = Drafter.from_pretrained(args.drafter, device=device).eval()
-    target = Target.load(args.target, device=device, layer_ids=drafter.config.target_layer_ids,
-                         mask_token=drafter.config.mask_token_id)
-    if drafter.config.target_fingerprint != target.fingerprint:
-        raise ConfigError(f"the drafter in {args.drafter} was trained for a different target (fingerprint "
-                          f"{drafter.config.target_fingerprint}, --target gives {target.fingerprint}); pass "
-                          "the target it was trained on.")
+    target, drafter = load_for_eval(args.target, args.drafter, device=distributed.pick_device(args.device, 0))
     if args.data:
         conversations, _ = load_chat_jsonl(args.data)
     else:
@@ -125,6 +119,36 @@ def _eval(argv) -> int:
 
 def eval_main(argv: list[str] | None = None) -> int:
     return _guard(_eval, sys.argv[1:] if argv is None else list(argv))
+
+
+# --- dflash export ---------------------------------------------------------------------------------
+def export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash export", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Convert a drafter written by an older dflash-train (\"format\": "
+                                            "\"dflash-drafter/1\") into the reference DFlash layout that vLLM "
+                                            "and SGLang serve (README: Serving a trained drafter).")
+    p.add_argument("src", help="the older drafter dir (config.json + model.safetensors)")
+    p.add_argument("dst", help="new dir to write (must not exist; appears complete or not at all)")
+    layers = p.add_mutually_exclusive_group(required=True)
+    layers.add_argument("--target", help="local HF model dir of the target it was trained for (gives the layer "
+                                         "count and is checked against the drafter)")
+    layers.add_argument("--num-target-layers", type=int, help="the target's decoder layer count, when the "
+                                                              "target is not at hand")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the written weights")
+    return p
+
+
+def _export(argv) -> int:
+    import torch
+
+    from .drafter_io import convert_legacy, target_shape
+
+    args = export_parser().parse_args(argv)
+    dst = convert_legacy(args.src, args.dst, target=target_shape(args.target) if args.target else None,
+                         num_target_layers=args.num_target_layers,
+                         dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    print(f"wrote {dst} (reference DFlash layout, {args.dtype})")
+    return 0
 
 
 # --- dflash regenerate -----------------------------------------------------------------------------
@@ -167,9 +191,10 @@ def _delegate(command: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    usage = ("usage: dflash {train,eval,regenerate,doctor,healthcheck} [options]\n"
+    usage = ("usage: dflash {train,eval,export,regenerate,doctor,healthcheck} [options]\n"
              "  train       train a drafter (dflash-train; no options: the built-in demo)\n"
              "  eval        tau, tokens/s and losslessness of a trained drafter (dflash-eval)\n"
+             "  export      convert an older project drafter into the reference DFlash layout\n"
              "  regenerate  rewrite a chat JSONL's answers with the target's own responses\n"
              "  doctor      report the GatedDeltaNet kernels, versions and arch coverage\n"
              "  healthcheck the container health check (cached doctor verdict + trainer heartbeat)\n"
@@ -183,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         return _guard(_train, rest)
     if cmd == "eval":
         return eval_main(rest)
+    if cmd == "export":
+        return _guard(_export, rest)
     if cmd == "regenerate":
         return _guard(_regenerate, rest)
     if cmd in DOCTOR_COMMANDS:

@@ -44,6 +44,14 @@ class TrainConfig:
     # --- drafter and blocks ----------------------------------------------------------------------
     block_size: int = _opt(16, "tokens per block: the anchor + block_size-1 masked positions to predict")
     drafter_layers: int = _opt(5, "decoder layers of the drafter")
+    sliding_window: int = _opt(0, "tokens a sliding_attention query sees, itself included (0: none). W > 0 makes "
+                               "every drafter layer but the last sliding_attention, as in the published "
+                               "Qwen3.6-27B drafter (S,S,S,S,F, W 2048)")
+    init_drafter: str | None = _opt(None, "start from this drafter dir in the reference DFlash layout (a published "
+                                    "drafter, or <out>/drafter of another run); its config.json fixes the drafter's "
+                                    "layers, window, tapped target layers and mask token")
+    drafter_dtype: str = _opt("bf16", "dtype of the final <out>/drafter weights: 'bf16' (what vLLM and SGLang "
+                              "serve) or 'fp32'; checkpoints keep fp32", choices=("bf16", "fp32"))
     target_layer_ids: list[int] | None = _opt(None, "comma-separated target layers to tap (default: spread from 1 to n-3)")
     mask_token: str | None = _opt(None, "mask token of the target's tokenizer (default: the tokenizer's mask token)")
     max_length: int = _opt(3072, "longest sequence in tokens; longer conversations are truncated")
@@ -88,7 +96,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_flag(name)} is {getattr(self, name)}; it must be at least 1.")
-        for name in ("epochs", "max_steps", "save_every", "weight_decay", "grad_clip", "cpu_threads"):
+        for name in ("epochs", "max_steps", "save_every", "weight_decay", "grad_clip", "cpu_threads",
+                     "sliding_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} is {getattr(self, name)}; it must be 0 or more.")
         if self.block_size < 2:
@@ -115,6 +124,16 @@ class TrainConfig:
                               "(or give neither to run the built-in demo).")
         if self.target_layer_ids is not None and not self.target_layer_ids:
             raise ConfigError("--target-layer-ids is empty; list layers like 1,9,17 or leave it out.")
+        if self.sliding_window and self.drafter_layers < 2:
+            raise ConfigError(f"--sliding-window {self.sliding_window} slides every layer but the last, and "
+                              f"--drafter-layers is {self.drafter_layers}; use 2 or more layers, or drop it.")
+        if self.init_drafter:
+            given = [flag for flag, value in (("--target-layer-ids", self.target_layer_ids),
+                                              ("--mask-token", self.mask_token),
+                                              ("--sliding-window", self.sliding_window)) if value]
+            if given:
+                raise ConfigError(f"{', '.join(given)} cannot change the drafter of --init-drafter "
+                                  f"{self.init_drafter}: its config.json fixes them. Drop {' and '.join(given)}.")
 
     # --- derived ---------------------------------------------------------------------------------
     @property

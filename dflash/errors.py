@@ -12,6 +12,7 @@ RuntimeError), so callers that catch those still do.
     4  TrainError       training cannot go on (out of memory, no usable sample)
     5  TargetError      the target model cannot be loaded or tapped as asked
     6  DataError        the training data cannot be read or tokenised
+    7  DrafterError     a drafter directory cannot be read, or does not fit the target
 """
 
 from __future__ import annotations
@@ -51,3 +52,9 @@ class DataError(DflashError, ValueError):
     """Bad training data; the message names the file, line or sample and says how to fix it."""
 
     exit_code = 6
+
+
+class DrafterError(DflashError, ValueError):
+    """A drafter directory cannot be read or does not fit the target; the message names each mismatch."""
+
+    exit_code = 7

@@ -194,6 +194,28 @@ def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *, 
     return report
 
 
+def load_for_eval(target_dir, drafter_dir, device="cpu", target_dtype=torch.float32):
+    """(Target, Drafter) for evaluating the drafter in `drafter_dir` (the reference DFlash layout: one
+    written by dflash-train, or a published one) on the target in `target_dir`.
+
+    Everything is checked before a weight is read: the drafter's config.json and tensor names, then
+    its fit to the target's config.json (hidden size, layer count, tapped ids, vocabulary, mask token);
+    the target is then tapped at the drafter's layers with its mask token. A drafter that names the
+    target it was trained for (target_fingerprint) must name this one. On a CPU, bf16 weights are
+    upcast to float32 (dflash.drafter_io.load_drafter says so in the log).
+    """
+    from dflash.drafter_io import check_fits_target, load_drafter, read_drafter_config, target_shape
+    from dflash.target import Target
+
+    config = read_drafter_config(drafter_dir)
+    where = f"the drafter in {drafter_dir}"
+    check_fits_target(config, target_shape(target_dir), where)
+    target = Target.load(target_dir, device=device, dtype=target_dtype, layer_ids=config.target_layer_ids,
+                         mask_token=config.mask_token_id)
+    check_fits_target(config, target, where)
+    return target, load_drafter(drafter_dir, device=device).eval()
+
+
 def untrained_drafter(target, config: DrafterConfig | None = None, seed: int = 0, **overrides) -> Drafter:
     """A freshly initialised drafter shaped like the trained one (without touching the global RNG)."""
     config = config or DrafterConfig.from_target(target, **overrides)

@@ -12,6 +12,12 @@ embeddings, and `target.lm_head(drafter(...))` gives the logits. What it adds is
 RoPE positions: context position j sits at j; token k of the block anchored at a sits at a+k, so a block
 "continues" the context exactly where the target would.
 
+Layer types (`DrafterConfig.layer_types`): a full_attention layer sees its whole block and the context
+before the anchor; a sliding_attention layer sees keys at positions p-W+1 .. p only, causal inside the
+block (masks.py draws both). The module tree and the config fields are the reference DFlash layout's
+(tensor names `layers.N.mlp.gate_proj.weight` etc., config keys `num_hidden_layers` etc.), so
+`dflash.drafter_io` writes and reads what vLLM and SGLang serve without renaming anything.
+
 Attention runs one of two ways over the same mask (`Drafter(config, attention=...)`):
   sdpa  the dense boolean mask [B,1,Q,T+Q] through F.scaled_dot_product_attention: every query pays for
         all T+Q keys, although a block sees only the context before its anchor and its own bs tokens;
@@ -24,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,54 +38,71 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.masks import drafter_attention_mask
-from wheelbuilder.fsutil import atomic_write
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-FORMAT = "dflash-drafter/1"
 ATTENTION = ("sdpa", "flex")
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
 
 
 @dataclass(kw_only=True)
 class DrafterConfig:
-    """Shape of a drafter plus what ties it to its target (stored in the checkpoint's config.json)."""
+    """Shape of a drafter plus what ties it to its target. Field names are the keys of the reference
+    config.json (dflash.drafter_io writes them; target_layer_ids and mask_token_id nest in dflash_config)."""
 
-    target_hidden_size: int           # H of the target: width of each tapped hidden state
-    hidden_size: int                  # the drafter's width; must equal H (it shares embed/lm_head)
-    num_layers: int = 5               # drafter decoder layers
-    num_heads: int                    # query heads
-    num_kv_heads: int                 # key/value heads (GQA: num_heads % num_kv_heads == 0)
+    hidden_size: int                  # the drafter's width = the target's H (it shares embed/lm_head)
+    num_hidden_layers: int = 5        # drafter decoder layers
+    num_attention_heads: int          # query heads
+    num_key_value_heads: int          # key/value heads (GQA: num_attention_heads % num_key_value_heads == 0)
     head_dim: int                     # per-head width (even: RoPE rotates pairs)
     intermediate_size: int            # SwiGLU MLP width
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960  # longest sequence the engines size RoPE for (the target's)
     vocab_size: int                   # rows of the target's embedding / head
     block_size: int = 16              # tokens per block: the anchor + bs-1 masked positions
-    target_layer_ids: list[int] = field(default_factory=list)  # tapped target layers, in concat order
+    num_target_layers: int            # decoder layers of the target
+    target_layer_ids: list[int] = field(default_factory=list)  # tapped target layers, ascending; id l =
+                                      # output of decoder layer l (HF hidden_states[l + 1])
     mask_token_id: int                # the MASK token filling positions 1..bs-1 of a block
-    target_fingerprint: str = ""      # Target.fingerprint of the target this drafter was trained for
+    layer_types: list[str] = field(default_factory=list)  # per layer: full_attention or sliding_attention
+                                      # (empty: all full_attention)
+    sliding_window: int | None = None  # tokens a sliding_attention query sees, itself included
     initializer_range: float = 0.02   # std of the normal init of every Linear
+    target_fingerprint: str = ""      # Target.fingerprint of the target trained for ("" when unknown)
 
     def __post_init__(self):
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.layer_types = list(self.layer_types) or [FULL] * self.num_hidden_layers
+        if SLIDING not in self.layer_types and self.sliding_window is not None:
+            self.sliding_window = None  # no layer uses it; keep one spelling of "no window"
         problems = []
-        if self.hidden_size != self.target_hidden_size:
-            problems.append(f"hidden_size {self.hidden_size} != target_hidden_size {self.target_hidden_size}: "
-                            "the drafter uses the target's embeddings and head, so the widths must match")
-        if self.num_heads % self.num_kv_heads:
-            problems.append(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
             problems.append(f"head_dim {self.head_dim} must be even (RoPE rotates pairs)")
         if self.block_size < 2:
             problems.append(f"block_size {self.block_size} must be >= 2 (an anchor and a masked token)")
         if not self.target_layer_ids:
             problems.append("target_layer_ids is empty; use Target.layer_ids")
-        if self.num_layers < 1:
-            problems.append(f"num_layers {self.num_layers} must be >= 1")
+        elif self.target_layer_ids != sorted(set(self.target_layer_ids)):
+            # vLLM and SGLang collect the tapped states in layer order, whatever order the config lists.
+            problems.append(f"target_layer_ids {self.target_layer_ids} must be distinct and ascending "
+                            "(the engines concatenate the tapped layers in layer order)")
+        if any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            problems.append(f"target_layer_ids {self.target_layer_ids} must lie in 0..{self.num_target_layers - 1} "
+                            f"(num_target_layers {self.num_target_layers})")
+        if self.num_hidden_layers < 1:
+            problems.append(f"num_hidden_layers {self.num_hidden_layers} must be >= 1")
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            problems.append(f"layer_types {self.layer_types} must name {self.num_hidden_layers} layers, each one "
+                            f"of {', '.join(LAYER_TYPES)}")
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            problems.append(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
         if problems:
             raise ValueError("bad DrafterConfig: " + "; ".join(problems))
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,7 +110,6 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "DrafterConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        data = {k: v for k, v in data.items() if k != "format"}
         unknown = sorted(set(data) - names)
         if unknown:
             hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, names, 1)) else k
@@ -103,13 +124,15 @@ class DrafterConfig:
         heads = int(cfg.num_attention_heads)
         rope = getattr(cfg, "rope_parameters", None) or {}
         values = dict(
-            target_hidden_size=target.hidden_size, hidden_size=target.hidden_size,
-            num_heads=heads, num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            hidden_size=target.hidden_size,
+            num_attention_heads=heads, num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(cfg, "head_dim", None) or target.hidden_size // heads),
             intermediate_size=int(cfg.intermediate_size), rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 1_000_000.0))),
-            vocab_size=target.vocab_size, target_layer_ids=list(target.layer_ids),
-            mask_token_id=target.mask_token_id, target_fingerprint=target.fingerprint,
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 40960),
+            vocab_size=target.vocab_size, num_target_layers=target.num_layers,
+            target_layer_ids=list(target.layer_ids), mask_token_id=target.mask_token_id,
+            target_fingerprint=target.fingerprint,
         )
         values.update(overrides)
         return cls(**values)
@@ -179,10 +202,10 @@ class DrafterAttention(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
@@ -195,10 +218,10 @@ class DrafterAttention(nn.Module):
         (boolean, for SDPA) or a flex BlockMask -> [B,Q,H]."""
         c = self.c
         kv_in = torch.cat([ctx, x], dim=1)                                      # [B,T+Q,H]
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), c.num_heads)), *rope_q)
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(kv_in), c.num_kv_heads)), *rope_kv)
-        v = self._heads(self.v_proj(kv_in), c.num_kv_heads)
-        groups = c.num_heads // c.num_kv_heads
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), c.num_attention_heads)), *rope_q)
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(kv_in), c.num_key_value_heads)), *rope_kv)
+        v = self._heads(self.v_proj(kv_in), c.num_key_value_heads)
+        groups = c.num_attention_heads // c.num_key_value_heads
         if isinstance(mask, torch.Tensor):
             # Expanded K/V instead of enable_gqa: every SDPA backend takes a boolean mask this way.
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -208,7 +231,20 @@ class DrafterAttention(nn.Module):
             q, k = q.to(v.dtype), k.to(v.dtype)
             out = flex_attention_fn(q.device)(q, k, v, block_mask=mask, enable_gqa=groups > 1)
         B, _, Q, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, c.num_heads * c.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, c.num_attention_heads * c.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), the `mlp` of a Qwen3 layer (its tensors: layers.N.mlp.*)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterLayer(nn.Module):
@@ -219,18 +255,15 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = DrafterAttention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.mlp = DrafterMLP(c)
 
     def forward(self, x, ctx, rope_q, rope_kv, mask) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Drafter(nn.Module):
-    """fc + RMSNorm over the tapped target states, `num_layers` DrafterLayers, a final RMSNorm."""
+    """fc + RMSNorm over the tapped target states, `num_hidden_layers` DrafterLayers, a final RMSNorm."""
 
     def __init__(self, config: DrafterConfig, attention: str = "sdpa"):
         super().__init__()
@@ -239,9 +272,9 @@ class Drafter(nn.Module):
         self.config = config
         self.attention = attention  # how, not what: not part of the checkpoint
         c = config
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -266,9 +299,9 @@ class Drafter(nn.Module):
         c = self.config
         B, T, width = context.shape
         N, bs = anchors.shape[1], c.block_size
-        if width != len(c.target_layer_ids) * c.target_hidden_size:
+        if width != len(c.target_layer_ids) * c.hidden_size:
             raise ValueError(f"context is {width} wide, expected {len(c.target_layer_ids)} tapped layers x "
-                             f"{c.target_hidden_size}; was the target loaded with layer_ids={c.target_layer_ids}?")
+                             f"{c.hidden_size}; was the target loaded with layer_ids={c.target_layer_ids}?")
         if block_embeds.shape[:2] != (B, N * bs):
             raise ValueError(f"block_embeds is {tuple(block_embeds.shape)}, expected [B,N*bs,H] = "
                              f"[{B},{N * bs},{c.hidden_size}] for {N} anchors and block_size {bs}")
@@ -279,39 +312,28 @@ class Drafter(nn.Module):
         ctx_pos = torch.arange(T, device=anchors.device).expand(B, T)
         rope_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, x.dtype)
         rope_kv = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), c.head_dim, c.rope_theta, x.dtype)
-        mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid)
-        mask = flex_block_mask(mask) if self.attention == "flex" else mask.unsqueeze(1)
+        masks = {}  # one per layer type in use: full_attention, sliding_attention (masks.py)
+        for kind in dict.fromkeys(c.layer_types):
+            window = c.sliding_window if kind == SLIDING else None
+            mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid, sliding_window=window)
+            masks[kind] = flex_block_mask(mask) if self.attention == "flex" else mask.unsqueeze(1)
 
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, mask)
+        for layer, kind in zip(self.layers, c.layer_types):
+            x = layer(x, ctx, rope_q, rope_kv, masks[kind])
         return self.norm(x)
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_pretrained(self, directory) -> Path:
-        """Write config.json + model.safetensors into `directory`; each file appears whole or not at all."""
-        from safetensors.torch import save
+    def save_pretrained(self, directory, dtype: torch.dtype | None = None) -> Path:
+        """Write config.json + model.safetensors in the reference DFlash layout (dflash.drafter_io),
+        the weights in `dtype` (None: as they are; serving wants torch.bfloat16)."""
+        from dflash.drafter_io import save_drafter
 
-        directory = Path(directory)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt", "dflash": FORMAT}))
-        # The config goes last: a directory with a config.json always has matching weights beside it.
-        atomic_write(directory / CONFIG_NAME, json.dumps({"format": FORMAT, **self.config.to_dict()}, indent=2) + "\n")
-        return directory
+        return save_drafter(self, directory, dtype)
 
     @classmethod
-    def from_pretrained(cls, directory, device="cpu") -> "Drafter":
-        """Load a drafter written by save_pretrained, in the dtype it was saved in."""
-        from safetensors.torch import load_file
+    def from_pretrained(cls, directory, device="cpu", dtype: torch.dtype | None = None,
+                        attention: str = "sdpa") -> "Drafter":
+        """Load a reference-layout drafter (ours or a published one), checked before any weight is read."""
+        from dflash.drafter_io import load_drafter
 
-        directory = Path(directory)
-        if not (directory / CONFIG_NAME).is_file() or not (directory / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(f"{directory} holds no drafter ({CONFIG_NAME} + {WEIGHTS_NAME}); pass the "
-                                    "directory written by Drafter.save_pretrained / dflash-train")
-        data = json.loads((directory / CONFIG_NAME).read_text())
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{directory / CONFIG_NAME} has format {data.get('format')!r}, expected {FORMAT!r}")
-        state = load_file(str(directory / WEIGHTS_NAME), device=str(device))
-        drafter = cls(DrafterConfig.from_dict(data))
-        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
-        drafter.to(device=device, dtype=dtype).load_state_dict(state, strict=True)
-        return drafter
+        return load_drafter(directory, device=device, dtype=dtype, attention=attention)

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -93,18 +93,20 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
                  stop: StopFlag, on_step: Callable[[int, dict], None] | None = None):
-        from .model import Drafter, DrafterConfig
+        from .drafter_io import load_drafter
+        from .model import Drafter
 
         self.config, self.target, self.items, self.d, self.stop = config, target, items, d, stop
         self.on_step = on_step
         self.root = config.out_dir / "checkpoints"
         self.pad_id = _pad_id(target)
         self.autocast_dtype = precision(config, d.device)
-        overrides = dict(num_layers=config.drafter_layers, block_size=config.block_size)
-        self.drafter_config = DrafterConfig.from_target(target, **overrides)
+        self.drafter_config = drafter_config(config, target)
         torch.manual_seed(config.seed)  # the same initial drafter on every rank and on every rerun
         attention = attention_impl(config, d.device, self.drafter_config.head_dim)
         self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
+        if config.init_drafter:  # float32 master weights, whatever the file holds
+            self.drafter.load_state_dict(load_drafter(config.init_drafter, dtype=torch.float32).state_dict())
         self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
             if d.enabled else self.drafter
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr,
@@ -276,7 +278,8 @@ class Trainer:
         if result.stopped_by:
             log.warning("stopped by %s at step %d; continue with --resume", result.stopped_by, self.step)
         elif d.is_main:
-            ckpt.export_drafter(result.checkpoint, cfg.out_dir / "drafter")
+            dtype = torch.bfloat16 if cfg.drafter_dtype == "bf16" else torch.float32
+            ckpt.export_drafter(result.checkpoint, cfg.out_dir / "drafter", dtype)
             log.info("drafter written to %s", cfg.out_dir / "drafter")
         return result
 
@@ -337,13 +340,46 @@ def dataset_items(dataset) -> list[dict]:
     return items
 
 
+def drafter_config(config: TrainConfig, target):
+    """The drafter this run trains: --init-drafter's (checked against the target), or a new one shaped
+    like the target's attention with --drafter-layers and --sliding-window."""
+    from .drafter_io import check_fits_target, read_drafter_config
+    from .model import FULL, SLIDING, DrafterConfig
+
+    if not config.init_drafter:
+        n, window = config.drafter_layers, config.sliding_window
+        return DrafterConfig.from_target(target, num_hidden_layers=n, block_size=config.block_size,
+                                         layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
+                                         sliding_window=window or None)
+    where = f"--init-drafter {config.init_drafter}"
+    init = read_drafter_config(config.init_drafter)
+    check_fits_target(init, target, where)
+    if init.block_size != config.block_size:
+        raise ConfigError(f"{where} was trained with block size {init.block_size}, --block-size is "
+                          f"{config.block_size}; pass --block-size {init.block_size}.")
+    if (init.target_layer_ids, init.mask_token_id) != (list(target.layer_ids), target.mask_token_id):
+        raise ConfigError(f"{where} taps target layers {init.target_layer_ids} with mask token {init.mask_token_id}, "
+                          f"the target was loaded with {target.layer_ids} and {target.mask_token_id}; load it "
+                          "with load_target(config, ...), which takes both from the drafter.")
+    return replace(init, target_fingerprint=target.fingerprint)
+
+
 def load_target(config: TrainConfig, device: torch.device, path=None):
     """The frozen target of --target (or `path`): in bf16 when training uses bf16 autocast (its forward
-    is most of the cost on a GPU), else in fp32."""
+    is most of the cost on a GPU), else in fp32. With --init-drafter, tapped at that drafter's layers
+    with its mask token, once its config.json is checked against the target's."""
     from .target import Target
 
-    return Target.load(path or config.target, device=device, dtype=precision(config, device),
-                       layer_ids=config.target_layer_ids, mask_token=config.mask_token)
+    path = path or config.target
+    layer_ids, mask_token = config.target_layer_ids, config.mask_token
+    if config.init_drafter:
+        from .drafter_io import check_fits_target, read_drafter_config, target_shape
+
+        init = read_drafter_config(config.init_drafter)
+        check_fits_target(init, target_shape(path), f"--init-drafter {config.init_drafter}")
+        layer_ids, mask_token = init.target_layer_ids, init.mask_token_id
+    return Target.load(path, device=device, dtype=precision(config, device),
+                       layer_ids=layer_ids, mask_token=mask_token)
 
 
 def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,

@@ -4,6 +4,7 @@ refusal to resume against another target / drafter shape / data, pruning."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -17,9 +18,9 @@ from dflash.schedule import lr_lambda
 
 
 def _drafter_config(**overrides) -> DrafterConfig:
-    values = dict(target_hidden_size=16, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                  intermediate_size=32, vocab_size=40, block_size=4, target_layer_ids=[0, 1], mask_token_id=3,
-                  target_fingerprint="f00d")
+    values = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                  intermediate_size=32, vocab_size=40, block_size=4, num_target_layers=4, target_layer_ids=[0, 1],
+                  mask_token_id=3, target_fingerprint="f00d")
     values.update(overrides)
     return DrafterConfig(**values)
 
@@ -111,8 +112,8 @@ def test_resume_refuses_another_target(tmp_path):
 
 def test_resume_refuses_another_drafter_shape(tmp_path):
     path = _save(tmp_path, 1, _parts())
-    other = _drafter_config(num_layers=2, block_size=8).to_dict()
-    with pytest.raises(CheckpointError, match="different shape .*block_size: checkpoint 4, now 8.*num_layers"):
+    other = _drafter_config(num_hidden_layers=2, block_size=8).to_dict()
+    with pytest.raises(CheckpointError, match="different shape .*block_size: checkpoint 4, now 8.*num_hidden_layers"):
         ckpt.check_compatible(path, other, "data0")
 
 
@@ -128,5 +129,11 @@ def test_export_drafter_replaces_the_previous_copy(tmp_path):
     dest = ckpt.export_drafter(first, tmp_path / "drafter")
     second = _save(tmp_path / "ck", 2, _parts(seed=1))
     ckpt.export_drafter(second, dest)
+    exported, trained = Drafter.from_pretrained(dest, dtype=torch.bfloat16), Drafter.from_pretrained(second / "drafter")
+    assert json.loads((dest / "config.json").read_text())["dtype"] == "bfloat16"  # what the engines serve
+    assert json.loads((second / "drafter" / "config.json").read_text())["dtype"] == "float32"  # resume is exact
+    for name, value in trained.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], value.to(torch.bfloat16)), name
+    ckpt.export_drafter(second, dest, dtype=torch.float32)
     assert (dest / "model.safetensors").read_bytes() == (second / "drafter" / "model.safetensors").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "drafter"]

@@ -53,7 +53,7 @@ def test_accept_length_is_matching_prefix_plus_bonus(target, right):
 
 def test_random_drafters_are_lossless(target):
     for seed in range(2):
-        drafter = untrained_drafter(target, seed=seed, block_size=BS, num_layers=1)
+        drafter = untrained_drafter(target, seed=seed, block_size=BS, num_hidden_layers=1)
         for prompt in prompts(2, seed=seed):
             spec = speculative_generate(target, drafter, prompt, NEW)
             assert spec.tokens == greedy_generate(target, prompt, NEW)

@@ -5,15 +5,16 @@ import json
 import pytest
 import torch
 
+from dflash.errors import DrafterError
 from dflash.model import Drafter, DrafterConfig
 
 H, K, BS = 32, 3, 4
 
 
 def tiny_config(**overrides):
-    values = dict(target_hidden_size=H, hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                  intermediate_size=48, vocab_size=50, block_size=BS, target_layer_ids=[1, 2, 3],
-                  mask_token_id=3, target_fingerprint="abc")
+    values = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  intermediate_size=48, vocab_size=50, block_size=BS, num_target_layers=6,
+                  target_layer_ids=[1, 2, 3], mask_token_id=3, target_fingerprint="abc")
     values.update(overrides)
     return DrafterConfig(**values)
 
@@ -109,10 +110,16 @@ def test_bad_inputs_are_named(drafter):
 def test_config_checks_and_dict_round_trip():
     config = tiny_config()
     assert DrafterConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
-    with pytest.raises(ValueError, match="widths must match"):
-        tiny_config(hidden_size=64)
-    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
-        tiny_config(num_heads=3)
+    with pytest.raises(ValueError, match="not a multiple of num_key_value_heads"):
+        tiny_config(num_attention_heads=3)
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        tiny_config(target_layer_ids=[2, 1, 3])
+    with pytest.raises(ValueError, match=r"must lie in 0..5 \(num_target_layers 6\)"):
+        tiny_config(target_layer_ids=[1, 6])
+    with pytest.raises(ValueError, match="need sliding_window >= 1"):
+        tiny_config(layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ValueError, match="must name 2 layers"):
+        tiny_config(layer_types=["full_attention"])
     with pytest.raises(ValueError, match="did you mean block_size"):
         DrafterConfig.from_dict({**config.to_dict(), "blok_size": 8})
 
@@ -128,14 +135,54 @@ def test_save_load_is_bit_exact(tmp_path, drafter):
     assert torch.equal(loaded.eval()(context, blocks, anchors), drafter(context, blocks, anchors))
 
 
-def test_bf16_checkpoint_loads_as_bf16(tmp_path):
-    Drafter(tiny_config()).to(torch.bfloat16).save_pretrained(tmp_path)
-    assert Drafter.from_pretrained(tmp_path).fc.weight.dtype == torch.bfloat16
+def test_bf16_checkpoint_loads_as_bf16_where_asked(tmp_path):
+    Drafter(tiny_config()).save_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert Drafter.from_pretrained(tmp_path, dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16
+    assert Drafter.from_pretrained(tmp_path).fc.weight.dtype == torch.float32  # upcast for a CPU
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="holds no drafter"):
+    with pytest.raises(DrafterError, match="holds nothing like a drafter: no config.json"):
         Drafter.from_pretrained(tmp_path)
+
+
+def sliding_case():
+    """A drafter of two sliding_attention layers (window 3) and one full_attention layer."""
+    torch.manual_seed(0)
+    config = tiny_config(num_hidden_layers=3, sliding_window=3, head_dim=16,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return Drafter(config).eval()
+
+
+def test_a_sliding_layer_sees_only_its_window():
+    """One sliding layer alone: a block token at position p depends on context j only for
+    p-W+1 <= j < anchor, and on block tokens at or before it (causal)."""
+    torch.manual_seed(0)
+    drafter = Drafter(tiny_config(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=3)).eval()
+    context, blocks, _ = inputs(B=1)
+    anchors = torch.tensor([[6, 8]])
+    base = drafter(context, blocks, anchors)
+    # Block 0 (anchor 6): token k sits at 6+k and sees context 4..5 (k=0), 5 (k=1), none (k>=2).
+    far = context.clone()
+    far[:, :4] += 5.0
+    assert torch.equal(drafter(far, blocks, anchors)[0, :BS], base[0, :BS])
+    near = context.clone()
+    near[:, 5] += 5.0
+    changed = (drafter(near, blocks, anchors)[0, :BS] - base[0, :BS]).abs().amax(-1) > 0
+    assert changed.tolist() == [True, True, False, False]
+    later = blocks.clone()
+    later[:, 2] += 5.0  # block 0's token 2: tokens 0 and 1 must not see it
+    changed = (drafter(context, later, anchors)[0, :BS] - base[0, :BS]).abs().amax(-1) > 0
+    assert changed.tolist() == [False, False, True, True]
+
+
+def test_flex_attention_equals_sdpa_with_sliding_layers():
+    sdpa = sliding_case()
+    flex = Drafter(sdpa.config, attention="flex").eval()
+    flex.load_state_dict(sdpa.state_dict())
+    *args, _ = flex_case()
+    with torch.no_grad():
+        torch.testing.assert_close(flex(*args), sdpa(*args), rtol=1e-4, atol=1e-5)
 
 
 def flex_case(device="cpu", B=2, T=150, N=40):
