@@ -146,14 +146,6 @@ def test_missing_checkpoint_is_named(tmp_path):
         Drafter.from_pretrained(tmp_path)
 
 
-def sliding_case():
-    """A drafter of two sliding_attention layers (window 3) and one full_attention layer."""
-    torch.manual_seed(0)
-    config = tiny_config(num_hidden_layers=3, sliding_window=3, head_dim=16,
-                         layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-    return Drafter(config).eval()
-
-
 def test_a_sliding_layer_sees_only_its_window():
     """One sliding layer alone: a block token at position p depends on context j only for
     p-W+1 <= j < anchor, and on block tokens at or before it (causal)."""
@@ -177,9 +169,7 @@ def test_a_sliding_layer_sees_only_its_window():
 
 
 def test_flex_attention_equals_sdpa_with_sliding_layers():
-    sdpa = sliding_case()
-    flex = Drafter(sdpa.config, attention="flex").eval()
-    flex.load_state_dict(sdpa.state_dict())
+    sdpa, flex = sdpa_and_flex(sliding=True)
     *args, _ = flex_case()
     with torch.no_grad():
         torch.testing.assert_close(flex(*args), sdpa(*args), rtol=1e-4, atol=1e-5)
@@ -199,9 +189,11 @@ def flex_case(device="cpu", B=2, T=150, N=40):
     return [t.to(device) for t in (context, blocks, anchors, context_valid, anchor_valid, weight)]
 
 
-def sdpa_and_flex(device="cpu"):
+def sdpa_and_flex(device="cpu", sliding=False):
     torch.manual_seed(0)
-    config = tiny_config(head_dim=16)  # flex's compiled kernels need heads >= 16 wide
+    layers = dict(num_hidden_layers=3, sliding_window=40,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"]) if sliding else {}
+    config = tiny_config(head_dim=16, **layers)  # flex's compiled kernels need heads >= 16 wide
     sdpa = Drafter(config).to(device)
     flex = Drafter(config, attention="flex").to(device)
     flex.load_state_dict(sdpa.state_dict())
@@ -224,9 +216,11 @@ def test_unknown_attention_is_named():
 
 
 @pytest.mark.gpu
-def test_compiled_flex_equals_sdpa_outputs_and_gradients_on_the_gpu():
-    """The compiled flex kernels (what training runs on a GPU) against dense SDPA, forward and backward."""
-    sdpa, flex = sdpa_and_flex("cuda")
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
+def test_compiled_flex_equals_sdpa_outputs_and_gradients_on_the_gpu(sliding):
+    """The compiled flex kernels (what training runs on a GPU) against dense SDPA, forward and backward,
+    for full_attention layers and for a sliding_attention / full_attention mix."""
+    sdpa, flex = sdpa_and_flex("cuda", sliding)
     *args, weight = flex_case("cuda")
     results = []
     for model in (sdpa, flex):
