@@ -113,4 +113,10 @@ def pin_images(catalog: tg.Catalog | None = None) -> list[lock.ImagePin]:
 def register(sub) -> None:
     p = sub.add_parser("pin-images", help="pull the CUDA devel images the builders copy nvcc from and record "
                                           "their digests in locks/images.toml (needs their registry)")
-    p.set_defaults(func=lambda args: (pin_images(), 0)[1])
+    p.set_defaults(func=_cmd_pin_images)
+
+
+def _cmd_pin_images(args) -> int:
+    for pin in pin_images():
+        print(f"{pin.ref}@{pin.digest}")
+    return 0
