@@ -4,6 +4,7 @@
         {input_ids [T], loss_mask [T]}
     --DataOrder: make_batches(lengths, max_tokens, batch_size, seed, epoch), epoch after epoch-->
         sample indices of each global micro-batch --collate--> padded [B,T] tensors
+    load_items(config, target): --data through ChatDataset to the items a run trains on
 
 Training on the target's own responses (not the dataset's) is what DFlash wants (dflash.regenerate):
 the drafter must predict what *this* target says next. Samples with fewer than 2 x block_size
@@ -19,7 +20,8 @@ import random
 
 import torch
 
-from .chat import DataReport, render
+from .chat import DataReport, load_chat_jsonl, render
+from .config import TrainConfig
 from .errors import DataError, TrainError
 
 log = logging.getLogger(__name__)
@@ -223,3 +225,23 @@ def data_fingerprint(items: list[dict]) -> str:
         h.update(item["loss_mask"].to(torch.int8).numpy().tobytes())
         h.update(b"|")
     return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading a run's training items
+# --------------------------------------------------------------------------------------------------
+def load_items(config: TrainConfig, target) -> list[dict]:
+    """Read --data, tokenize with the target's chat template, drop samples too short to supervise."""
+    conversations, report = load_chat_jsonl(config.data, on_error=config.on_bad_line)
+    log.info("data %s: %s", config.data, report)
+    return dataset_items(ChatDataset(conversations, target.tokenizer, max_length=config.max_length,
+                                     block_size=config.block_size))
+
+
+def dataset_items(dataset) -> list[dict]:
+    """Every item of `dataset` ({"input_ids", "loss_mask"} LongTensor[T]); none at all is a TrainError."""
+    items = [dataset[i] for i in range(len(dataset))]
+    if not items:
+        raise TrainError(f"no usable training sample ({getattr(dataset, 'report', '')}); each needs at "
+                         "least 2 x --block-size supervised (assistant) tokens. Check --data and --max-length.")
+    return items

@@ -30,7 +30,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .blocks import anchor_seed, sample_anchors
 from .config import TrainConfig
-from .data import DataOrder, data_fingerprint
+from .data import DataOrder, data_fingerprint, load_items
 from .doctor.heartbeat import Heartbeat
 from .errors import CheckpointError, ConfigError, TrainError
 from .losses import LOSS_CHUNK_ROWS
@@ -319,25 +319,6 @@ def setup_logging(out_dir: Path, is_main: bool) -> None:
         h._dflash = True
         logger.addHandler(h)
     logger.propagate = False
-
-
-def load_items(config: TrainConfig, target) -> list[dict]:
-    """Read --data, tokenize with the target's chat template, drop samples too short to supervise."""
-    from .chat import load_chat_jsonl
-    from .data import ChatDataset
-
-    conversations, report = load_chat_jsonl(config.data, on_error=config.on_bad_line)
-    log.info("data %s: %s", config.data, report)
-    return dataset_items(ChatDataset(conversations, target.tokenizer, max_length=config.max_length,
-                                     block_size=config.block_size))
-
-
-def dataset_items(dataset) -> list[dict]:
-    items = [dataset[i] for i in range(len(dataset))]
-    if not items:
-        raise TrainError(f"no usable training sample ({getattr(dataset, 'report', '')}); each needs at "
-                         "least 2 x --block-size supervised (assistant) tokens. Check --data and --max-length.")
-    return items
 
 
 def drafter_config(config: TrainConfig, target):

@@ -11,10 +11,10 @@ from wheelbuilder.fsutil import atomic_write
 from .. import distributed
 from ..chat import load_chat_jsonl, prompt_ids, write_jsonl
 from ..config import TrainConfig
-from ..data import ChatDataset
+from ..data import ChatDataset, dataset_items
 from ..evaluate import evaluate, evaluate_baseline, format_results
 from ..regenerate import regenerate
-from ..train import dataset_items, load_target, setup_logging, train
+from ..train import load_target, setup_logging, train
 from .corpus import demo_conversations
 from .target import build_demo_target
 
