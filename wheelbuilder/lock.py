@@ -32,7 +32,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from .cmd import run
-from .errors import ConfigurationError, ToolchainError
+from .errors import ConfigurationError, FatalError, ToolchainError
 from .targets import PYPI_INDEX, REPO_ROOT, Catalog, Target
 
 LOCKS = REPO_ROOT / "locks"
@@ -124,7 +124,18 @@ def lock_torch(catalog: Catalog, lock: str) -> list[Path]:
         raise ToolchainError(f"targets sharing torch lock '{lock}' use different Pythons {sorted(pythons)}; give each its own lock.")
     python, torch = pythons.pop(), targets[0].torch
     folder = LOCKS / lock
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return _lock_folder(catalog, lock, folder, python, torch)
+    except FatalError as e:
+        if created:  # a first lock that failed leaves nothing half-made behind
+            shutil.rmtree(folder, ignore_errors=True)
+        raise type(e)(f"{e}\nlocking locks/{lock}/ needs {torch.index} (torch {torch.version}): run it where "
+                      "that index is reachable.") from None
+
+
+def _lock_folder(catalog: Catalog, lock: str, folder: Path, python: str, torch) -> list[Path]:
     written = []
     for name, text in lock_inputs(catalog, lock).items():
         # The input is generated from targets.toml; resolve into a temporary name, then rename, so a
