@@ -141,7 +141,8 @@ def export_parser() -> argparse.ArgumentParser:
 def _export(argv) -> int:
     import torch
 
-    from .drafter_io import convert_legacy, target_shape
+    from .drafter_io import target_shape
+    from .drafter_legacy import convert_legacy
 
     args = export_parser().parse_args(argv)
     dst = convert_legacy(args.src, args.dst, target=target_shape(args.target) if args.target else None,

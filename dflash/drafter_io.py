@@ -28,14 +28,13 @@ No embedding and no LM head: the target's are used.
 Reading checks everything before a weight is loaded: the config (model type, architecture, DFlash keys,
 features this drafter does not implement), then the tensor names and shapes from the safetensors
 header, then (`check_fits_target`) the target. Every failure is a DrafterError naming the problem and
-the fix. `convert_legacy` rewrites the project's older "dflash-drafter/1" directories into this layout.
+the fix. (`dflash.drafter_legacy` converts the project's older "dflash-drafter/1" directories.)
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +123,7 @@ def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.
 
 
 # --- reading: the config -------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -237,11 +236,11 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
 
 
 # --- reading: the weights ------------------------------------------------------------------------------
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
     if (directory / WEIGHTS_NAME).is_file():
         return [directory / WEIGHTS_NAME]
     if (directory / WEIGHTS_INDEX_NAME).is_file():
-        shards = sorted(set(_read_json(directory / WEIGHTS_INDEX_NAME).get("weight_map", {}).values()))
+        shards = sorted(set(read_json(directory / WEIGHTS_INDEX_NAME).get("weight_map", {}).values()))
         absent = [s for s in shards if not (directory / s).is_file()]
         if not shards or absent:
             raise DrafterError(f"{directory / WEIGHTS_INDEX_NAME} names shards that are not there: "
@@ -263,7 +262,7 @@ def _stored_tensors(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]
     return found
 
 
-def _check_tensors(config: DrafterConfig, stored: dict, directory: Path) -> None:
+def check_tensors(config: DrafterConfig, stored: dict, directory: Path) -> None:
     expected = expected_tensors(config)
     missing = sorted(set(expected) - set(stored))
     extra = sorted(set(stored) - set(expected))
@@ -294,8 +293,8 @@ def read_drafter_config(directory) -> DrafterConfig:
         what = "weights but" if any(directory.glob("*.safetensors")) else "nothing like a drafter:"
         raise DrafterError(f"{directory} holds {what} no {CONFIG_NAME}; a drafter needs the config.json that came "
                            "with its weights (model_type qwen3, architectures [DFlashDraftModel], dflash_config)")
-    config = parse_reference_config(_read_json(directory / CONFIG_NAME), directory / CONFIG_NAME)
-    _check_tensors(config, _stored_tensors(_weight_files(directory)), directory)
+    config = parse_reference_config(read_json(directory / CONFIG_NAME), directory / CONFIG_NAME)
+    check_tensors(config, _stored_tensors(weight_files(directory)), directory)
     return config
 
 
@@ -311,7 +310,7 @@ def load_drafter(directory, device="cpu", dtype: torch.dtype | None = None, atte
     directory, device = Path(directory), torch.device(device)
     config = read_drafter_config(directory)
     state = {}
-    for path in _weight_files(directory):
+    for path in weight_files(directory):
         state.update(load_file(str(path), device=str(device)))
     stored = next(v.dtype for v in state.values() if v.is_floating_point())
     if dtype is None:
@@ -372,63 +371,3 @@ def check_fits_target(config: DrafterConfig, target, where: str = "the drafter")
     if problems:
         raise DrafterError(f"{where} was trained for a different target: {'; '.join(problems)}. "
                            "Pass the target it was trained for (or a drafter trained for this target)")
-
-
-# --- the older layout ------------------------------------------------------------------------------------
-_LEGACY_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                "num_kv_heads": "num_key_value_heads"}
-
-
-def _legacy_name(name: str) -> str:
-    """layers.N.gate_proj.weight -> layers.N.mlp.gate_proj.weight; other names are unchanged."""
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "layers" and parts[2] in ("gate_proj", "up_proj", "down_proj"):
-        return ".".join(parts[:2] + ["mlp"] + parts[2:])
-    return name
-
-
-def convert_legacy(src, dst, *, target: TargetShape | None = None, num_target_layers: int | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Rewrite an older project drafter ("format": "dflash-drafter/1") into the reference layout at `dst`.
-
-    The old config does not record the target's layer count: it comes from `target` (`dflash export
-    --target`, which is also checked against the drafter) or `num_target_layers`. `dst` appears
-    complete or not at all.
-    """
-    if (target is None) == (num_target_layers is None):
-        raise DrafterError("converting an older drafter needs the target's layer count: pass the target "
-                           "(--target DIR) or the count (--num-target-layers N), one of them")
-    from safetensors.torch import load_file
-
-    src, dst = Path(src), Path(dst)
-    if not (src / CONFIG_NAME).is_file():
-        raise DrafterError(f"{src} has no {CONFIG_NAME}; pass a drafter directory written by dflash-train")
-    data = _read_json(src / CONFIG_NAME)
-    if data.get("format") != LEGACY_FORMAT:
-        if data.get("model_type") == MODEL_TYPE:
-            raise DrafterError(f"{src} is already in the reference layout; nothing to convert")
-        raise DrafterError(f"{src / CONFIG_NAME} is neither an older project drafter ({LEGACY_FORMAT}) nor a "
-                           "reference-layout one; nothing to convert")
-    if dst.exists():
-        raise DrafterError(f"{dst} exists; pass a new directory (export never overwrites)")
-    values = {_LEGACY_KEYS.get(k, k): v for k, v in data.items() if k not in ("format", "target_hidden_size")}
-    try:
-        config = DrafterConfig(**values, num_target_layers=target.num_layers if target else num_target_layers,
-                               max_position_embeddings=target.max_position_embeddings if target else 40960)
-    except (TypeError, ValueError) as exc:
-        raise DrafterError(f"{src / CONFIG_NAME} cannot be converted: {exc}") from exc
-    if target is not None:
-        check_fits_target(config, target, str(src))
-    state = {_legacy_name(k): v for k, v in load_file(str(_weight_files(src)[0])).items()}
-    _check_tensors(config, {k: (tuple(v.shape), "") for k, v in state.items()}, src)
-    with torch.device("meta"):
-        drafter = Drafter(config)
-    drafter.load_state_dict(state, strict=True, assign=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        save_drafter(drafter, tmp, dtype)
-        tmp.rename(dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst

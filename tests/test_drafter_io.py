@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.drafter_io import (
-    convert_legacy, expected_tensors, load_drafter, read_drafter_config, save_drafter, target_shape,
-    check_fits_target,
+    check_fits_target, expected_tensors, load_drafter, read_drafter_config, save_drafter, target_shape,
 )
+from dflash.drafter_legacy import convert_legacy
 from dflash.errors import DrafterError
 from dflash.model import Drafter, DrafterConfig
 from dflash.target import Target
