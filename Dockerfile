@@ -176,6 +176,10 @@ RUN --mount=type=bind,source=dist/wheels,target=/wheels \
 # Check at build time what can be checked without a GPU: versions, the extension's import (ABI) and
 # its arch coverage.
 RUN if [ "$BUILD_CHECK" = 1 ]; then dflash doctor --quick; fi
+# The SBOM of the venv (CycloneDX 1.5 JSON): every installed distribution with its lock's hashes or the
+# built wheel's sha256 (images/sbom.py). `python -m images publish` attaches it to the pushed image.
+RUN python -m images.sbom --locks /opt/dflash/locks --wheels /opt/dflash/wheels/manifest.json \
+      --out /opt/dflash/sbom.cdx.json
 RUN useradd --create-home --uid 1000 --shell /bin/bash dflash
 USER dflash
 # Declared this late on purpose: they change with every commit / wheel, and an ARG in scope is part of
@@ -187,7 +191,8 @@ LABEL org.opencontainers.image.title="dflash-train" \
       org.opencontainers.image.revision="${GIT_REVISION}" \
       io.dflash.target="${TARGET}" \
       io.dflash.torch-lock="${TORCH_LOCK}" \
-      io.dflash.wheel-sha256="${WHEEL_SHA256}"
+      io.dflash.wheel-sha256="${WHEEL_SHA256}" \
+      io.dflash.sbom="/opt/dflash/sbom.cdx.json"
 # The entrypoint runs the full doctor once in the background and keeps its verdict; the health check
 # only reads that verdict and the trainer's heartbeat, so it stays cheap.
 HEALTHCHECK --start-period=120s --interval=30s --timeout=20s --retries=1 CMD ["dflash", "healthcheck"]
