@@ -288,8 +288,9 @@ class Target:
         """[...,H] -> [...,V] logits. The target's final norm is NOT applied: the drafter has its own."""
         return self._head(hidden)
 
-    def _run(self, input_ids, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder pass: ([B,T,H] last hidden after the final norm, [B,T,k*H] tapped states)."""
+    def _run(self, input_ids, attention_mask=None, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder pass: ([B,T,H] last hidden after the final norm, [B,T,k*H] tapped states).
+        cache_kwargs (none: no cache) continue a transformers cache (dflash.target_cache builds them)."""
         captured: dict[int, torch.Tensor] = {}
 
         def keep(layer_id):
@@ -299,7 +300,8 @@ class Target:
 
         handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
         try:
-            out = self._decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self._decoder(input_ids=input_ids, attention_mask=attention_mask,
+                                **(cache_kwargs or {"use_cache": False}))
         finally:
             for handle in handles:
                 handle.remove()
@@ -310,6 +312,12 @@ class Target:
     def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B,T] ids (+ [B,T] attention mask) -> [B,T,len(layer_ids)*H]: tapped layers' outputs, concatenated."""
         return self._run(input_ids, attention_mask)[1]
+
+    @torch.no_grad()
+    def forward_cached(self, input_ids: torch.Tensor, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B,T] ids continuing a cache -> ([B,T,H] last hidden after the final norm, [B,T,k*H] context);
+        cache_kwargs come from dflash.target_cache.TargetCache, which owns the cache and its rollback."""
+        return self._run(input_ids, **cache_kwargs)
 
     @torch.no_grad()
     def greedy_next(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
