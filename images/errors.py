@@ -14,6 +14,8 @@ and the two families share one range of exit codes: `__main__.main()` runs the c
     13     HostError             the Proxmox host cannot take the container as asked
     14     LxcError              LXC could not create, start or run a container
     15     PushError             the container came up but its health check failed
+    16     RegistryError         the registry is unreachable, untrusted, refuses the credentials, or a tag
+                                 already points to another image
 
 Each message says what failed, the values seen, and what to do next.
 """
@@ -80,3 +82,11 @@ class PushError(ImagesError):
     above and inspect the container with the `pct exec` command the message gives."""
 
     exit_code = 15
+
+
+class RegistryError(ImagesError):
+    """The registry cannot take or give the image as asked: a reference without a namespace, no answer,
+    a certificate from an unknown CA, credentials refused, or a tag that points to another image.
+    Fix: the option the message names (--ca-cert, `docker login`, DFLASH_REGISTRY_USER/PASSWORD, --force)."""
+
+    exit_code = 16

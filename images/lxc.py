@@ -79,7 +79,11 @@ def unpack_oci(archive: Path, rootfs: Path) -> dict:
             # The "data" filter refuses absolute and escaping paths (Python >= 3.11.4 has it).
             tar.extractall(layout, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         index = json.loads(Path(layout, "index.json").read_text())
-        tag = index["manifests"][0].get("annotations", {}).get("org.opencontainers.image.ref.name", "latest")
+        tag = index["manifests"][0].get("annotations", {}).get("org.opencontainers.image.ref.name")
+        if tag is None:  # `skopeo copy ... oci-archive:PATH` (PVE's registry pull) names no tag: give it one
+            tag = "latest"
+            index["manifests"][0].setdefault("annotations", {})["org.opencontainers.image.ref.name"] = tag
+            Path(layout, "index.json").write_text(json.dumps(index))
         if rootfs.exists():
             rootfs.rmdir()
         proc = subprocess.run(["umoci", "raw", "unpack", "--image", f"{layout}:{tag}", str(rootfs)],

@@ -80,3 +80,32 @@ def demo_image_or_skip() -> str:
         return demo_image()
     except Exception as e:
         pytest.skip(f"cannot build the demo image: {e}")
+
+
+PUBLISH_DOCKERFILE = """FROM {demo}
+COPY sbom.cdx.json /opt/dflash/sbom.cdx.json
+RUN printf '{marker}\\n' > /opt/dflash/revision
+LABEL org.opencontainers.image.title=dflash-train org.opencontainers.image.revision={revision} \\
+      io.dflash.target=cu130-sm120 io.dflash.torch-lock=cu130 io.dflash.wheel-sha256={wheel} \\
+      io.dflash.sbom=/opt/dflash/sbom.cdx.json
+"""
+
+
+def labelled_demo_image(tag: str, revision: str = "0123456789abcdef0123") -> str:
+    """The demo image with the runtime image's labels and an SBOM (made by images.sbom from the host venv
+    and locks/cu130): what `publish` and `push-docker` need, in seconds. Another `revision` gives another
+    image (a different layer), for the tests of tags that point elsewhere."""
+    import hashlib
+
+    from images import sbom
+
+    demo = demo_image()
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as ctx:
+        sbom.main(["--locks", str(repo / "locks" / "cu130"), "--out", str(Path(ctx, "sbom.cdx.json"))])
+        wheel = hashlib.sha256(revision.encode()).hexdigest()
+        Path(ctx, "Dockerfile").write_text(PUBLISH_DOCKERFILE.format(demo=demo, revision=revision, wheel=wheel,
+                                                                     marker=revision))
+        subprocess.run(["/usr/bin/docker", "build", "--network=host", "-q", "-t", tag, ctx], check=True,
+                       capture_output=True, env={**os.environ, "DOCKER_BUILDKIT": "1"})
+    return tag
