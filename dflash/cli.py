@@ -8,6 +8,7 @@
     dflash-eval --target DIR --drafter DIR --data FILE.jsonl   tau, tokens/s, losslessness
     dflash export OLD_DIR NEW_DIR --target DIR            an older project drafter -> the reference layout
     dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl   responses by the target itself
+    dflash regenerate --endpoint URL --model NAME --data IN.jsonl --out OUT.jsonl   ... by a vLLM/SGLang server
     dflash doctor [...] / dflash healthcheck [...]        kernel report / the image's health check
 
 `dflash-train` is the image's entrypoint, so `docker run dflash-train doctor` must reach the doctor:
@@ -156,26 +157,58 @@ def _export(argv) -> int:
 def regenerate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash regenerate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description="Replace the assistant turns of a chat JSONL with the target's "
-                                            "own responses (DFlash trains best on the target's outputs).")
-    p.add_argument("--target", required=True, help="local HF model dir of the target")
+                                            "own responses (DFlash trains best on the target's outputs): "
+                                            "in this process (--target, the demo and small sets) or through "
+                                            "an OpenAI-compatible server (--endpoint, vLLM or SGLang).")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="local HF model dir of the target: generate in this process, write at the end")
+    where.add_argument("--endpoint", help="server base URL, e.g. http://localhost:8000; requests go to "
+                                          "<URL>/v1/chat/completions (a URL ending in /v1 is taken as is)")
     p.add_argument("--data", required=True, help="input chat JSONL")
-    p.add_argument("--out", required=True, help="output chat JSONL (written atomically)")
+    p.add_argument("--out", required=True, help="output chat JSONL (--target: written atomically; --endpoint: "
+                                                "appended one conversation at a time)")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="longest regenerated response")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'cuda:N'")
     p.add_argument("--on-bad-line", choices=("skip", "stop"), default="skip", help="malformed input lines")
+    local = p.add_argument_group("in process (--target)")
+    local.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'cuda:N'")
+    server = p.add_argument_group("through a server (--endpoint)")
+    server.add_argument("--model", help="model name the server serves (required with --endpoint)")
+    server.add_argument("--concurrency", type=int, default=32, help="conversations in flight at once")
+    server.add_argument("--retries", type=int, default=5, help="retries of a request after a connection "
+                                                               "error, a timeout, 408, 429 or 5xx")
+    server.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for the server")
+    server.add_argument("--backoff", type=float, default=1.0, help="seconds before the first retry (doubled at "
+                                                                   "each retry, with jitter; Retry-After wins)")
+    server.add_argument("--resume", action="store_true", help="keep --out and do only the conversations it lacks")
+    server.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                        help='passed to the server\'s chat template, e.g. \'{"enable_thinking": false}\'')
+    server.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API "
+                                                                        "key (sent as a Bearer token if set)")
+    server.add_argument("--max-failures-in-a-row", type=int, default=50, help="stop after this many "
+                        "conversations fail one after another (the server is down); 0 = never")
+    server.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     return p
 
 
 def _regenerate(argv) -> int:
-    from .regenerate import regenerate_jsonl
-
     args = regenerate_parser().parse_args(argv)
-    print(regenerate_jsonl(args.target, args.data, args.out, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, seed=args.seed, device=args.device,
-                           on_bad_line=args.on_bad_line))
-    return 0
+    if args.endpoint is None:
+        from .regenerate import regenerate_jsonl
+
+        if args.model or args.resume:
+            raise ConfigError("--model and --resume go with --endpoint; --target regenerates in this process "
+                              "and writes --out at the end.")
+        print(regenerate_jsonl(args.target, args.data, args.out, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed, device=args.device,
+                               on_bad_line=args.on_bad_line))
+        return 0
+    from .regenerate_server import regenerate_from_args
+
+    summary = regenerate_from_args(args)
+    print(summary.message(), file=sys.stderr if summary.exit_code else sys.stdout)
+    return summary.exit_code
 
 
 # --- dflash ----------------------------------------------------------------------------------------

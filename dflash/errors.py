@@ -13,6 +13,7 @@ RuntimeError), so callers that catch those still do.
     5  TargetError      the target model cannot be loaded or tapped as asked
     6  DataError        the training data cannot be read or tokenised
     7  DrafterError     a drafter directory cannot be read, or does not fit the target
+    8  ServerError      an inference server failed requests after every retry (`dflash regenerate --endpoint`)
 """
 
 from __future__ import annotations
@@ -58,3 +59,10 @@ class DrafterError(DflashError, ValueError):
     """A drafter directory cannot be read or does not fit the target; the message names each mismatch."""
 
     exit_code = 7
+
+
+class ServerError(DflashError, RuntimeError):
+    """An inference server failed requests after every retry; the message gives how many, the reasons and
+    where each failure is recorded."""
+
+    exit_code = 8

@@ -1,21 +1,23 @@
 """Regeneration: replace a chat dataset's answers with the target's own (DFlash trains best on them).
 
     chat.jsonl --load_chat_jsonl--> conversations --regenerate(target)--> the target's own answers
-               --write_jsonl--> out.jsonl            (`dflash regenerate`: regenerate_jsonl)
+               --write_jsonl--> out.jsonl            (`dflash regenerate --target DIR`: regenerate_jsonl)
+
+This is the in-process path (HF `generate` in this process, written at the end), for the demo and small
+runs. Large sets go through an inference server: dflash/regenerate_server.py (`--endpoint URL`), which
+answers the same turns (`reply_slots`) in the same order. torch is imported inside the functions that
+use it, so the server client can import `reply_slots` without it.
 """
 
 from __future__ import annotations
 
 import logging
 
-import torch
-
 from .chat import load_chat_jsonl, render, write_jsonl
 
 log = logging.getLogger(__name__)
 
 
-@torch.no_grad()
 def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_tokens: int, *,
                      temperature: float = 0.0, seed: int = 0, batch_size: int = 32,
                      progress: bool = False) -> tuple[list[str], int]:
@@ -25,6 +27,7 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
     padding, and GatedDeltaNet layers zero padded inputs, so a padded row decodes like an unpadded one).
     Greedy when temperature == 0; otherwise sampled, reproducibly for a given seed.
     """
+    import torch
     from tqdm.auto import tqdm
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -47,7 +50,7 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
         for r, i in enumerate(rows):
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[r, width - len(prompts[i]):] = 1
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
             torch.manual_seed(seed * 1_000_003 + start)
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
@@ -61,7 +64,7 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
     return replies, n_cut
 
 
-def _reply_slots(messages: list[dict]) -> list[int]:
+def reply_slots(messages: list[dict]) -> list[int]:
     """Indices the target answers: each assistant message, plus one past the end after a final user turn."""
     slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if messages and messages[-1]["role"] == "user":
@@ -81,7 +84,7 @@ def regenerate(target, conversations: list[list[dict]], max_new_tokens: int, tem
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     result = [[dict(m) for m in messages] for messages in conversations]
-    slots = [_reply_slots(messages) for messages in result]
+    slots = [reply_slots(messages) for messages in result]
     total_cut = total = 0
     for turn in range(max((len(s) for s in slots), default=0)):
         todo = [(c, s[turn]) for c, s in enumerate(slots) if turn < len(s)]
@@ -99,7 +102,6 @@ def regenerate(target, conversations: list[list[dict]], max_new_tokens: int, tem
     log.info("regenerated %d answers in %d conversations; %d hit max_new_tokens=%d",
              total, len(result), total_cut, max_new_tokens)
     return result
-
 
 
 def regenerate_jsonl(target_dir, data, out, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
