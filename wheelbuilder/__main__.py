@@ -86,7 +86,7 @@ def main_inner(argv: list[str] | None = None) -> int:
         from .build import build_target
 
         target = catalog.target(args.target)
-        if args.arch:
+        if args.arch is not None:  # `--arch ''` is a mistake, not "the target's arches"
             target = tg.with_arches(target, args.arch)
         if args.python:
             target = tg.with_python(target, args.python)
@@ -103,7 +103,9 @@ def main_inner(argv: list[str] | None = None) -> int:
         for wheel in args.wheels:
             recipe = next((r for r in target.recipes if wheel.name.startswith(r.dist_name + "-")), None)
             if recipe is None:
-                raise FatalError(f"{wheel.name} is not a wheel of any recipe of {target.name}.")
+                raise FatalError(f"{wheel.name} is not a wheel of any recipe of {target.name} (its wheels are named "
+                                 f"{', '.join(r.dist_name + '-*.whl' for r in target.recipes)}); pass those, or "
+                                 "--target the wheel was built for.")
             reports.append(audit_wheel(wheel, target, recipe).to_dict())
         print(json.dumps(reports, indent=2) if args.json else "\n".join(f"ok  {w}" for w in args.wheels))
         return 0

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import zipfile
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -250,11 +251,18 @@ def audit_wheel(wheel_path: Path | str, target: Target, recipe: Recipe, *, platf
         zf = zipfile.ZipFile(wheel)
     except zipfile.BadZipFile as e:
         raise AuditError(f"{wheel} is not a zip archive ({e}); the file is damaged, rebuild it.") from None
-    with zf, tempfile.TemporaryDirectory(prefix="audit-") as tmp:
-        _check_name_tags_version(report, zf, wheel, target, recipe, platform)
-        _check_modules(report, zf, target, recipe, Path(tmp))
-    _check_build_info(report, wheel, target, recipe)
-    problems = verify_record(wheel)
+    try:
+        with zf, tempfile.TemporaryDirectory(prefix="audit-") as tmp:
+            _check_name_tags_version(report, zf, wheel, target, recipe, platform)
+            _check_modules(report, zf, target, recipe, Path(tmp))
+        _check_build_info(report, wheel, target, recipe)
+        problems = verify_record(wheel)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:  # a bad CRC, a damaged deflate stream, cut short
+        raise AuditError(
+            f"{wheel} is damaged: a member cannot be decompressed ({type(e).__name__}: {e}). The file was "
+            "truncated or altered after the build (a copy that did not finish, a bad disk); rebuild it or "
+            "copy it again, and compare its sha256 with manifest.json (`python -m wheelbuilder verify --dir DIR`)."
+        ) from None
     report.add("record", "RECORD", not problems, "; ".join(problems) or "all files hashed",
                "every file listed with its sha256 and size",
                "the archive was changed after the build; repack it with wheelfile.repack_deterministic")

@@ -50,8 +50,9 @@ class Plan:
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def make_plan(target: Target, out_dir: Path, build_root: Path, toolchain: DetectedToolchain) -> Plan:
-    jobs, threads = plan_jobs(files=4)
+def make_plan(target: Target, out_dir: Path, build_root: Path, toolchain: DetectedToolchain,
+              jobs_threads: tuple[int, int] | None = None) -> Plan:
+    jobs, threads = jobs_threads or plan_jobs(files=4)
     return Plan(
         target=target.name, recipes=[f"{r.name} {r.version}" for r in target.recipes],
         arches=[str(a) for a in target.arches], local_version=target.local_version(),
@@ -143,8 +144,10 @@ def compile_recipe(recipe: Recipe, target: Target, toolchain: DetectedToolchain,
 def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BUILD_ROOT,
                  log_dir: Path | None = None, dry_run: bool = False) -> list[dict]:
     """Build every recipe of `target` into `out_dir`; returns the manifest entries written."""
+    jobs_threads = plan_jobs(files=4)  # MAX_JOBS / NVCC_THREADS checked before anything slower
+    source_date_epoch()
     toolchain = check_toolchain(target)
-    plan = make_plan(target, out_dir, build_root, toolchain)
+    plan = make_plan(target, out_dir, build_root, toolchain, jobs_threads)
     echo(f"build plan for {target.name}:\n{plan.describe()}")
     if dry_run:
         return []

@@ -1,11 +1,16 @@
 """One subprocess wrapper: prints `+ cmd`, checks the executable exists, tees output to a log file,
-and raises a typed error naming the log on failure."""
+and raises a typed error naming the log on failure.
+
+The child runs in its own process group (its own session), and whatever ends the wait early
+(Ctrl-C, SIGTERM via errors.Terminated, any exception) kills that whole group, pip and every compiler
+it started included, before the exception goes on: no child outlives the command that started it."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +29,26 @@ def require_tool(tool: str, why: str, error: type[FatalError] = ToolchainError) 
     if not found:
         raise error(f"'{tool}' is not installed; it is needed to {why}. Install it (apt install {tool}).")
     return found
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM to the child's process group, SIGKILL to it after `grace` seconds; reaps the child."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader has exited; its children (compilers started by pip) may still run in the group.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        break
+    proc.wait()
 
 
 def run(
@@ -49,20 +74,27 @@ def run(
         if logf:
             logf.write(f"+ {shlex.join(cmd)}\n")
             logf.flush()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", start_new_session=False)
+        try:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, errors="replace", start_new_session=True)
+        except OSError as e:  # not executable, a directory, a bad interpreter line, ...
+            raise ToolchainError(f"'{cmd[0]}' cannot be run ({e.strerror or e}); check that it is an executable "
+                                 f"file (chmod +x) for a toolkit that fits this machine. Command: {shlex.join(cmd)}"
+                                 ) from None
         assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if logf:
-                logf.write(line)
-            if on_line:
-                on_line(line.rstrip("\n"))
-        rc = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait()
-        raise
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if logf:
+                    logf.write(line)
+                if on_line:
+                    on_line(line.rstrip("\n"))
+            rc = proc.wait()
+        except BaseException:  # Ctrl-C, SIGTERM, an error in on_line: take the whole group down first
+            kill_group(proc)
+            raise
+        finally:
+            proc.stdout.close()
     finally:
         if logf:
             logf.close()

@@ -13,6 +13,7 @@ recorded build time and SOURCE_DATE_EPOCH; it is replaced atomically (temp file 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -21,6 +22,11 @@ from .fsutil import atomic_write, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# The JSON types of a wheel entry's scalar fields, checked when a manifest is read.
+ENTRY_TYPES = {"filename": str, "size": int, "sha256": str, "recipe": str, "recipe_version": str,
+               "source_url": str, "source_sha256": str, "target": str, "arches": dict,
+               "build_seconds": (int, float), "source_date_epoch": int}
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class WheelEntry:
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "WheelEntry":
+        if not isinstance(d, dict):
+            raise AuditError(f"{where}: a wheel entry is {type(d).__name__} {str(d)[:60]!r}, not an object with "
+                             "filename, size, sha256, ...; the manifest was edited by hand or damaged. Delete it "
+                             "and rebuild the wheels (make wheels).")
         names = {f.name for f in fields(cls)}
         missing, unknown = names - d.keys(), d.keys() - names
         if missing or unknown:
@@ -61,6 +71,19 @@ class WheelEntry:
                 f"{where}: a wheel entry has missing keys {sorted(missing)} / unknown keys {sorted(unknown)}. "
                 "The manifest was written by another version or edited by hand; rebuild the wheels (make wheels)."
             )
+        wrong = [f"{k} is {type(d[k]).__name__}, not {getattr(t, '__name__', 'a number')}"
+                 for k, t in ENTRY_TYPES.items()
+                 if not isinstance(d[k], t) or isinstance(d[k], bool)]
+        if not wrong and (not _SHA256.fullmatch(d["sha256"]) or "/" in d["filename"] or d["filename"] in ("", ".", "..")
+                          or d["size"] < 0):
+            wrong = [f"filename {d['filename']!r}, size {d['size']}, sha256 {d['sha256'][:70]!r} are not a plain file "
+                     "name, a byte count and 64 hex digits"]
+        if wrong:
+            raise AuditError(f"{where}: wheel entry {str(d.get('filename'))[:80]!r}: {'; '.join(wrong)}. The manifest "
+                             "was edited by hand or damaged; delete it and rebuild the wheels (make wheels).")
+        if not isinstance(d["toolchain"], dict):
+            raise AuditError(f"{where}: toolchain record is {type(d['toolchain']).__name__}, not an object; "
+                             "rebuild the wheels (make wheels).")
         try:
             return cls(**{**d, "toolchain": ToolchainRecord(**d["toolchain"])})
         except TypeError as e:

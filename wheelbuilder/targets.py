@@ -305,6 +305,7 @@ def load(path: Path | str | None = None) -> Catalog:
         arches = tuple(Arch.parse(a) for a in _need(t, "arches", where))
         if not arches:
             raise ConfigurationError(f"{where}: arches is empty; name at least one (e.g. \"12.0\").")
+        check_unique_arches(arches, where)
         check_arches_compilable(arches, toolkit.cuda, where)
         if toolkit.cuda.major != torch.cuda.major:
             raise ConfigurationError(
@@ -341,6 +342,18 @@ def _toolkit_image(t: dict, kind: str, where: str) -> str:
     return image
 
 
+def check_unique_arches(arches, where: str) -> None:
+    """Each arch once: `12.0,12.0` would build the same code twice and name the wheel `sm120sm120`."""
+    seen: dict[str, Arch] = {}
+    for a in arches:
+        if a.name in seen:
+            raise ConfigurationError(
+                f"{where}: arch {a.name} is named twice ({seen[a.name]} and {a}); name each arch once, "
+                f"with +PTX on the one entry that should also carry PTX (e.g. {a.name}+PTX)."
+            )
+        seen[a.name] = a
+
+
 def check_arches_compilable(arches, cuda: Version, where: str) -> None:
     """Refuse an arch the toolkit's nvcc cannot compile (SM 12.0 needs CUDA >= 12.8)."""
     for a in arches:
@@ -355,7 +368,9 @@ def with_arches(target: Target, arch_text: str) -> Target:
     """The same target with its arches overridden from a command line (`--arch 9.0,12.0`)."""
     arches = tuple(Arch.parse(a) for a in arch_text.split(",") if a.strip())
     if not arches:
-        raise ConfigurationError("--arch is empty; name at least one arch (e.g. 12.0).")
+        raise ConfigurationError(f"--arch {arch_text!r} names no arch; name at least one (e.g. --arch 12.0), "
+                                 "or leave --arch out to build the target's own arches.")
+    check_unique_arches(arches, f"--arch {arch_text}")
     check_arches_compilable(arches, target.toolkit.cuda, f"--arch {arch_text}")
     return Target(target.name, target.description, target.toolkit, target.torch, arches, target.recipes)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from .errors import ToolchainError
+from .errors import ConfigurationError, ToolchainError
 from .targets import Target
 
 GIB = 1 << 30
@@ -92,7 +92,14 @@ def find_cuda_home(candidates: list[Path] | None = None) -> Path:
 
 
 def nvcc_version(cuda_home: Path) -> Version:
-    out = subprocess.run([str(cuda_home / "bin" / "nvcc"), "--version"], capture_output=True, text=True)
+    nvcc = cuda_home / "bin" / "nvcc"
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True)
+    except OSError as e:  # not executable, a directory, an interpreter line pointing nowhere
+        raise ToolchainError(
+            f"{nvcc} cannot be run ({e.strerror or e}). Make it executable (chmod +x {nvcc}), or point "
+            "CUDA_HOME at a complete CUDA toolkit, or build in Docker with `make wheels TARGET=<target>`."
+        ) from None
     m = re.search(r"release (\d+\.\d+), V(\d+\.\d+\.\d+)", out.stdout)
     if out.returncode != 0 or not m:
         raise ToolchainError(f"{cuda_home}/bin/nvcc --version failed or printed no release: {out.stdout}{out.stderr}")
@@ -211,8 +218,28 @@ def plan_jobs(cores: int | None = None, mem: int | None = None, files: int = 4) 
     workers = max(1, min(cores, budget))
     jobs = max(1, min(files, workers))
     threads = max(1, workers // jobs)
-    if env_jobs := os.environ.get("MAX_JOBS"):
-        jobs = int(env_jobs)
-    if env_threads := os.environ.get("NVCC_THREADS"):
-        threads = int(env_threads)
+    jobs = _env_count("MAX_JOBS", jobs, cores, "parallel compile jobs")
+    threads = _env_count("NVCC_THREADS", threads, cores, "threads per nvcc job")
+    if jobs * threads > cores:
+        print(f"wheelbuilder: warning: MAX_JOBS={jobs} x NVCC_THREADS={threads} = {jobs * threads} compile "
+              f"threads on {cores} CPU cores; they will compete for the CPU and each costs ~"
+              f"{MEM_PER_JOB // GIB} GB of memory (the compiler may be killed). Unset both to let the build size "
+              "them from cores and memory.", file=sys.stderr)
     return jobs, threads
+
+
+def _env_count(name: str, default: int, cores: int, what: str) -> int:
+    """A positive whole number from the environment (MAX_JOBS, NVCC_THREADS), else `default`."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigurationError(
+            f"{name}={raw!r} is not a positive whole number of {what}. Set e.g. {name}={min(default, cores)} "
+            f"(this machine has {cores} CPU cores), or unset it to let the build choose."
+        )
+    return value
