@@ -65,9 +65,11 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
 
 
 def reply_slots(messages: list[dict]) -> list[int]:
-    """Indices the target answers: each assistant message, plus one past the end after a final user turn."""
-    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if messages and messages[-1]["role"] == "user":
+    """Indices the target answers: each assistant message, plus one past the end after a final user (or
+    tool) turn. An assistant turn that calls tools is kept as the dataset has it: the target is not given
+    the tool schemas, so its answer could not make the call that the following `tool` message answers."""
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
+    if messages and messages[-1]["role"] in ("user", "tool"):
         slots.append(len(messages))
     return slots
 

@@ -86,8 +86,11 @@ class ChatClient:
     stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def body(self, messages: list[dict]) -> bytes:
+        """The request's JSON. History goes without `reasoning_content` (the Qwen templates drop it from
+        earlier turns), and tool-call arguments as the JSON strings of the OpenAI wire format (dflash.chat
+        keeps them as mappings, the form chat templates iterate)."""
         request = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                   "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]}
+                   "messages": [_wire_message(m) for m in messages]}
         if self.temperature > 0:
             request["seed"] = self.seed
         if self.chat_template_kwargs:
@@ -128,6 +131,18 @@ class ChatClient:
             if self.stop.wait(min(delay, MAX_BACKOFF_S)):
                 raise Stopped
         raise AssertionError("unreachable")
+
+
+def _wire_message(message: dict) -> dict:
+    wire = {k: v for k, v in message.items() if k != "reasoning_content"}
+    calls = []
+    for call in wire.get("tool_calls") or []:
+        args = call["function"].get("arguments", {})
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        calls.append({**call, "function": {**call["function"], "arguments": args}})
+    if calls:
+        wire["tool_calls"] = calls
+    return wire
 
 
 def parse_reply(response: dict) -> Reply:

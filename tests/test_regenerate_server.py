@@ -23,6 +23,7 @@ import pytest
 
 from dflash.cli import main
 from dflash.errors import ConfigError, DataError
+from dflash.regenerate import reply_slots
 from dflash.regenerate_server import done_keys, errors_path, prompt_hash, read_conversations, regenerate_via_server
 from dflash.server_client import ChatClient, chat_completions_url
 
@@ -199,6 +200,17 @@ def test_reasoning_is_kept_as_reasoning_content(tmp_path, key):
     assert row["messages"][3] == {"role": "assistant", "content": "answer 3", "reasoning_content": "thought 3"}
     # the history sent for the second turn carries the answer, not the reasoning
     assert server.requests[1]["messages"][1] == {"role": "assistant", "content": "answer 1"}
+
+
+def test_tool_call_turns_are_kept_and_sent_in_the_wire_format():
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    messages = [user("weather?"), {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "weather", "content": "-3 C"}]
+    assert reply_slots(messages) == [3]  # the call stays; the answer after the tool result is the target's
+    assert reply_slots([*messages, {"role": "assistant", "content": "cold"}]) == [3]
+    sent = json.loads(ChatClient(url="http://h/v1/chat/completions", model="m", max_tokens=4).body(messages))
+    assert sent["messages"][1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # the caller's copy untouched
 
 
 # ---- errors, retries, timeouts --------------------------------------------------------------------
