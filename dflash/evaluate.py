@@ -1,153 +1,33 @@
-"""Speculative decoding with a drafter, greedy verification, and the numbers that judge a drafter.
+"""The numbers that judge a drafter: tau, tokens/s against plain decoding, and losslessness.
 
-One step (block size bs, anchor = the last accepted token, not yet seen by the target):
-
-    ids      p0 p1 ... p(a-1) | x_a                 x_a = anchor at position a
-    drafter  proposes d1 .. d(bs-1) for positions a+1 .. a+bs-1 from context(< a) and the block
-    target   one forward over ids + d  ->  g_k = target's greedy token for position a+k, k = 1..bs
-    accept   d1..dn where d_k == g_k for every k <= n, then g_(n+1) for free ("bonus")  => n+1 tokens
-
-Every emitted token is a token the target itself chose (d_k is kept only where it equals g_k), so the
-output is exactly greedy decoding: lossless. tau = mean tokens per verify step (1 <= tau <= bs).
-
-No KV cache: each verify step re-runs the target over the whole sequence. It is simple and exact for
-hybrid targets too (a GatedDeltaNet state cannot be "cropped" back after a rejection), and the same pass
-yields the tapped hidden states the drafter needs for the next step.
+`evaluate` runs each prompt twice, side by side under the same conditions: speculative decoding
+(dflash.spec_decode, the drafter proposing, the target verifying) and plain decoding by the target
+alone, both with the target's caches (dflash.target_cache) unless use_cache=False. speed-up = spec
+tokens/s / plain tokens/s. At temperature 0 the two outputs must be equal token for token ("lossless");
+at temperature > 0 they are samples and cannot be compared one by one: the speculative-sampling rule is
+lossless in distribution, which tests/test_spec_sampling.py checks on a small vocabulary.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
 from tqdm import tqdm
 
+from dflash.errors import DataError
 from dflash.model import Drafter, DrafterConfig
+from dflash.proposers import (  # noqa: F401  (re-exported: the names callers import from here)
+    Draft, DrafterProposer, Proposer, RepeatLastProposer, Sampler, as_proposer,
+)
+from dflash.spec_decode import (  # noqa: F401
+    SpecResult, greedy_generate, speculative_generate, target_generate,
+)
+from dflash.target_cache import TargetCache
 
-
-@dataclass
-class SpecResult:
-    tokens: list[int]                                   # generated tokens (prompt excluded), == greedy
-    accept_lengths: list[int] = field(default_factory=list)  # tokens gained per verify step, 1..bs
-    verify_steps: int = 0
-    seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return sum(self.accept_lengths) / self.verify_steps if self.verify_steps else 0.0
-
-
-class Proposer(Protocol):
-    """Anything that guesses the bs-1 tokens after the anchor (a drafter, a baseline, an oracle)."""
-
-    block_size: int
-
-    def propose(self, target, token_ids: list[int], context: torch.Tensor) -> list[int]:
-        """token_ids: accepted tokens, the last one is the anchor; context [1,len-1,k*H] for positions
-        before the anchor. Returns block_size-1 token ids."""
-
-
-class DrafterProposer:
-    """A trained (or untrained) Drafter as a Proposer: one drafter pass per block."""
-
-    def __init__(self, drafter: Drafter, block_size: int | None = None):
-        self.drafter = drafter.eval()
-        self.block_size = block_size or drafter.config.block_size
-        if self.block_size != drafter.config.block_size:
-            # The drafter learned its masked positions for one block size; another size is a silent mismatch.
-            raise ValueError(f"block_size {self.block_size} differs from the drafter's trained "
-                             f"block_size {drafter.config.block_size}; leave block_size unset")
-
-    @torch.no_grad()
-    def propose(self, target, token_ids: list[int], context: torch.Tensor) -> list[int]:
-        anchor = len(token_ids) - 1
-        block = torch.tensor([[token_ids[-1]] + [target.mask_token_id] * (self.block_size - 1)],
-                             device=target.device)
-        anchors = torch.tensor([[anchor]], device=target.device)
-        hidden = self.drafter(context, target.embed(block), anchors)          # [1,bs,H]
-        logits = target.lm_head(hidden[:, 1:].to(target.dtype))               # [1,bs-1,V]
-        return logits.argmax(-1)[0].tolist()
-
-
-class RepeatLastProposer:
-    """Baseline: guess that the anchor token repeats bs-1 times (what a drafter must clearly beat)."""
-
-    def __init__(self, block_size: int = 16):
-        self.block_size = block_size
-
-    def propose(self, target, token_ids: list[int], context: torch.Tensor) -> list[int]:
-        return [token_ids[-1]] * (self.block_size - 1)
-
-
-def as_proposer(drafter, block_size: int | None = None) -> Proposer:
-    if isinstance(drafter, Drafter):
-        return DrafterProposer(drafter, block_size)
-    if hasattr(drafter, "propose") and hasattr(drafter, "block_size"):
-        return drafter
-    raise TypeError(f"expected a Drafter or a proposer (.propose, .block_size), got {type(drafter).__name__}")
-
-
-def _cut_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
-    for i, tok in enumerate(tokens):
-        if tok in stop:
-            return tokens[:i + 1], True
-    return tokens, False
-
-
-def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int,
-                    stop_token_ids: Iterable[int] = ()) -> list[int]:
-    """Plain greedy decoding, one full target forward per token (the same numerics as verification)."""
-    stop, ids = set(stop_token_ids), list(prompt_ids)
-    for _ in range(max_new_tokens):
-        argmax, _ = target.greedy_next(torch.tensor([ids], device=target.device))
-        ids.append(int(argmax[0, -1]))
-        if ids[-1] in stop:
-            break
-    return ids[len(prompt_ids):]
-
-
-@torch.no_grad()
-def speculative_generate(target, drafter, prompt_ids: list[int], max_new_tokens: int,
-                         block_size: int | None = None, stop_token_ids: Iterable[int] = ()) -> SpecResult:
-    """Generate up to max_new_tokens with `drafter` proposing and `target` verifying; output == greedy."""
-    proposer = as_proposer(drafter, block_size)
-    stop, ids = set(stop_token_ids), list(prompt_ids)
-    if max_new_tokens <= 0:
-        return SpecResult(tokens=[])
-    if not ids:
-        raise ValueError("prompt_ids is empty; speculative decoding needs at least one prompt token")
-    start = time.perf_counter()
-
-    # Prefill: the target's next token becomes the first anchor; its pass gives context for the prompt.
-    argmax, context = target.greedy_next(torch.tensor([ids], device=target.device))
-    ids.append(int(argmax[0, -1]))
-    result = SpecResult(tokens=[])
-    done = ids[-1] in stop
-
-    while not done and len(ids) - len(prompt_ids) < max_new_tokens:
-        anchor = len(ids) - 1
-        draft = proposer.propose(target, ids, context[:, :anchor])
-        # Verify: one target pass over accepted tokens + the whole draft.
-        argmax, context = target.greedy_next(torch.tensor([ids + draft], device=target.device))
-        # greedy[k] is the target's own token for position anchor+1+k (k = 0..bs-1).
-        greedy = argmax[0, anchor:anchor + len(draft) + 1].tolist()
-        # Accept the longest prefix of the draft that the target would have produced itself ...
-        n = 0
-        while n < len(draft) and draft[n] == greedy[n]:
-            n += 1
-        # ... plus the target's token right after it: correct by construction, so it is free.
-        gained, done = _cut_at_stop(draft[:n] + [greedy[n]], stop)
-        ids += gained
-        result.accept_lengths.append(n + 1)
-        result.verify_steps += 1
-        # `context` now covers ids + draft; positions < the new anchor hold only accepted tokens, and
-        # causality makes their hidden states independent of the rejected tail, so it is reused as is.
-
-    result.tokens = ids[len(prompt_ids):][:max_new_tokens]
-    result.seconds = time.perf_counter() - start
-    return result
+log = logging.getLogger(__name__)
 
 
 def _default_stops(target) -> list[int]:
@@ -155,41 +35,85 @@ def _default_stops(target) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *, block_size: int | None = None,
-             stop_token_ids: Iterable[int] | None = None, check_lossless: bool = True,
-             progress: bool = False) -> dict:
-    """Speculative decoding over `prompts`: tau, throughput, and whether every output equals greedy.
+def check_prompt_lengths(target, prompts: list[list[int]], max_new_tokens: int, block_size: int) -> None:
+    """Raise DataError when a prompt plus its new tokens (and one block) exceeds the target's context."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + block_size > limit]
+    if too_long:
+        longest = max(len(prompts[i]) for i in too_long)
+        raise DataError(f"{len(too_long)} prompt(s) (first: #{too_long[0]}, longest {longest} tokens) plus "
+                        f"--max-new-tokens {max_new_tokens} and a block of {block_size} exceed the target's "
+                        f"context of {limit} positions (max_position_embeddings); lower --max-new-tokens or "
+                        "drop the longest prompts")
 
-    Returns {"tau", "tokens_per_s", "lossless", "n_prompts", "n_tokens", "verify_steps",
-             "accept_histogram" (count per accepted length 1..bs), "greedy_tokens_per_s", "speedup",
-             "mismatched_prompts" (indices whose output differed from greedy)}.
-    Generation stops at the tokenizer's EOS unless stop_token_ids says otherwise.
+
+def cache_mode(target, use_cache: bool) -> str:
+    """"on", "off", or "off (why)" when the target's cache cannot be rolled back exactly."""
+    if not use_cache:
+        return "off"
+    reason = TargetCache.unsupported_reason(target)
+    if reason is None:
+        return "on"
+    log.warning("no exact cache rollback for this target (%s): evaluating on the exact uncached path", reason)
+    return f"off ({reason})"
+
+
+def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *, block_size: int | None = None,
+             stop_token_ids: Iterable[int] | None = None, check_lossless: bool = True, progress: bool = False,
+             use_cache: bool = True, temperature: float = 0.0, seed: int = 0) -> dict:
+    """Speculative decoding over `prompts` beside plain decoding by the target: tau, throughput, speed-up,
+    and (temperature 0) whether every output equals greedy decoding.
+
+    Returns {"tau", "tokens_per_s", "lossless" (None at temperature > 0 or unchecked), "n_prompts",
+             "n_tokens", "verify_steps", "accept_histogram" (count per accepted length 1..bs),
+             "mismatched_prompts" (indices whose output differed from greedy), "cache" ("on", "off",
+             "off (why)"), "temperature", and with check_lossless: "greedy_tokens_per_s" (plain decoding
+             by the target, greedy or sampled at the same temperature) and "speedup"}.
+    check_lossless=False skips the plain decoding. Generation stops at the tokenizer's EOS unless
+    stop_token_ids says otherwise. Prompt i samples with torch.Generator seeded seed + i.
     """
-    proposer = as_proposer(drafter, block_size)
+    proposer = as_proposer(drafter, block_size, incremental=use_cache)
     stops = _default_stops(target) if stop_token_ids is None else list(stop_token_ids)
-    accepted, steps, tokens, spec_s, greedy_s = 0, 0, 0, 0.0, 0.0
+    check_prompt_lengths(target, prompts, max_new_tokens, proposer.block_size)
+    mode = cache_mode(target, use_cache)
+    cached = mode == "on"
+
+    def sampler(i):
+        return Sampler(temperature, torch.Generator().manual_seed(seed + i) if temperature > 0 else None)
+
+    if prompts:  # warm-up, untimed: the first pass of each path pays one-time allocations and dispatch
+        speculative_generate(target, proposer, prompts[0], 2, use_cache=cached, sampler=sampler(0))
+        if check_lossless:
+            target_generate(target, prompts[0], 2, use_cache=cached, sampler=sampler(0))
+    accepted, steps, tokens, plain_tokens, spec_s, plain_s = 0, 0, 0, 0, 0.0, 0.0
     histogram = [0] * proposer.block_size
     mismatched = []
     for i, prompt in enumerate(tqdm(prompts, desc="evaluate", disable=not progress, unit="prompt")):
-        spec = speculative_generate(target, proposer, prompt, max_new_tokens, stop_token_ids=stops)
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens, stop_token_ids=stops,
+                                    use_cache=cached, sampler=sampler(i))
         accepted, steps, tokens = accepted + sum(spec.accept_lengths), steps + spec.verify_steps, tokens + len(spec.tokens)
         spec_s += spec.seconds
         for length in spec.accept_lengths:
             histogram[length - 1] += 1
         if check_lossless:
             t0 = time.perf_counter()
-            if greedy_generate(target, prompt, max_new_tokens, stops) != spec.tokens:
+            plain = target_generate(target, prompt, max_new_tokens, stops, use_cache=cached, sampler=sampler(i))
+            plain_s += time.perf_counter() - t0
+            plain_tokens += len(plain)
+            if temperature <= 0 and plain != spec.tokens:
                 mismatched.append(i)
-            greedy_s += time.perf_counter() - t0
     report = {
         "tau": accepted / steps if steps else 0.0,
         "tokens_per_s": tokens / spec_s if spec_s else 0.0,
-        "lossless": not mismatched if check_lossless else None,
+        "lossless": not mismatched if check_lossless and temperature <= 0 else None,
         "n_prompts": len(prompts), "n_tokens": tokens, "verify_steps": steps,
         "accept_histogram": histogram, "mismatched_prompts": mismatched,
+        "cache": mode, "temperature": temperature,
     }
-    if check_lossless and greedy_s:
-        report["greedy_tokens_per_s"] = tokens / greedy_s
+    if check_lossless and plain_s:
+        report["greedy_tokens_per_s"] = plain_tokens / plain_s
         report["speedup"] = report["tokens_per_s"] / report["greedy_tokens_per_s"]
     return report
 
@@ -228,20 +152,30 @@ def untrained_drafter(target, config: DrafterConfig | None = None, seed: int = 0
 def evaluate_baseline(target, prompts: list[list[int]], max_new_tokens: int, kind: str = "repeat_last", *,
                       block_size: int = 16, config: DrafterConfig | None = None, seed: int = 0,
                       **kwargs) -> dict:
-    """evaluate() for a baseline: "repeat_last" (anchor repeated) or "untrained" (a fresh drafter)."""
+    """evaluate() for a baseline: "repeat_last" (anchor repeated) or "untrained" (a fresh drafter,
+    initialised from `seed`, which also seeds the sampling as in evaluate)."""
     if kind == "repeat_last":
         proposer = RepeatLastProposer(config.block_size if config else block_size)
     elif kind == "untrained":
-        proposer = DrafterProposer(untrained_drafter(target, config, seed, block_size=block_size)
-                                   if config is None else untrained_drafter(target, config, seed))
+        drafter = (untrained_drafter(target, config, seed, block_size=block_size) if config is None
+                   else untrained_drafter(target, config, seed))
+        proposer = DrafterProposer(drafter, incremental=kwargs.get("use_cache", True))
     else:
         raise ValueError(f"unknown baseline {kind!r}; choose 'repeat_last' or 'untrained'")
-    return evaluate(target, proposer, prompts, max_new_tokens, **kwargs)
+    return evaluate(target, proposer, prompts, max_new_tokens, seed=seed, **kwargs)
 
 
 def format_results(results: dict[str, dict]) -> str:
-    """A small table: one row per method, tau / tokens per second / lossless."""
-    rows = [f"{'method':<20} {'tau':>6} {'tokens/s':>10} {'lossless':>9}"]
+    """A small table: one row per method: tau, spec tokens/s, plain decoding's tokens/s, speed-up,
+    lossless; then the cache mode and temperature they ran with."""
+    rows = [f"{'method':<20} {'tau':>6} {'tokens/s':>10} {'plain tok/s':>12} {'speed-up':>9} {'lossless':>9}"]
     for name, r in results.items():
-        rows.append(f"{name:<20} {r['tau']:>6.2f} {r['tokens_per_s']:>10.1f} {str(r.get('lossless', '-')):>9}")
+        plain, speedup = r.get("greedy_tokens_per_s"), r.get("speedup")
+        rows.append(f"{name:<20} {r['tau']:>6.2f} {r['tokens_per_s']:>10.1f} "
+                    f"{f'{plain:.1f}' if plain else '-':>12} {f'{speedup:.2f}x' if speedup else '-':>9} "
+                    f"{str(r.get('lossless', '-')):>9}")
+    first = next(iter(results.values()), {})
+    if "cache" in first:
+        rows.append(f"(target cache {first['cache']}, temperature {first.get('temperature', 0.0)}; plain = the "
+                    "target alone, same cache; speed-up = tokens/s / plain tok/s)")
     return "\n".join(rows)

@@ -1,10 +1,11 @@
-"""Speculative decoding is lossless whatever proposes; tau is exact for scripted proposers."""
+"""Speculative decoding is lossless whatever proposes, with the target's caches and without; tau is exact
+for scripted proposers."""
 
 import pytest
 import torch
 
 from dflash.evaluate import (
-    DrafterProposer, RepeatLastProposer, evaluate, evaluate_baseline, greedy_generate, speculative_generate,
+    DrafterProposer, RepeatLastProposer, Sampler, evaluate, evaluate_baseline, greedy_generate, speculative_generate,
     untrained_drafter,
 )
 from dflash.target import Target
@@ -19,6 +20,11 @@ def target(request, tmp_path_factory):
     return Target.load(save_tiny_target(tmp_path_factory.mktemp(request.param), request.param))
 
 
+@pytest.fixture(params=[True, False], ids=["cache", "no-cache"])
+def use_cache(request):
+    return request.param
+
+
 def prompts(n=3, length=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(4, 96, (n, length), generator=g).tolist()
@@ -29,34 +35,41 @@ class ScriptedProposer:
 
     def __init__(self, block_size, right):
         self.block_size, self.right = block_size, right
+        self.seen = 0
 
-    def propose(self, target, token_ids, context):
-        assert context.shape[:2] == (1, len(token_ids) - 1)  # context stops before the anchor
-        guess = greedy_generate(target, token_ids, self.block_size - 1)
+    def begin(self):
+        self.seen = 0
+
+    def propose(self, target, token_ids, new_context, sampler):
+        self.seen += new_context.shape[1]
+        assert self.seen == len(token_ids) - 1  # the context covers every position before the anchor
+        guess = greedy_generate(target, token_ids, self.block_size - 1, use_cache=False)
         return guess[:self.right] + [(t + 1) % target.vocab_size for t in guess[self.right:]]
 
 
-def test_oracle_gets_a_full_block_every_step(target):
+def test_oracle_gets_a_full_block_every_step(target, use_cache):
     prompt = prompts(1)[0]
-    spec = speculative_generate(target, ScriptedProposer(BS, BS - 1), prompt, 1 + 3 * BS)
-    assert spec.tokens == greedy_generate(target, prompt, 1 + 3 * BS)
+    spec = speculative_generate(target, ScriptedProposer(BS, BS - 1), prompt, 1 + 3 * BS, use_cache=use_cache)
+    assert spec.tokens == greedy_generate(target, prompt, 1 + 3 * BS, use_cache=False)
     assert spec.accept_lengths == [BS, BS, BS] and spec.tau == BS and spec.verify_steps == 3
 
 
 @pytest.mark.parametrize("right", [0, 1, 2])
-def test_accept_length_is_matching_prefix_plus_bonus(target, right):
+def test_accept_length_is_matching_prefix_plus_bonus(target, right, use_cache):
+    """Every partial acceptance rolls the caches back; the output stays the uncached greedy one."""
     prompt = prompts(1, seed=right)[0]
-    spec = speculative_generate(target, ScriptedProposer(BS, right), prompt, NEW)
-    assert spec.tokens == greedy_generate(target, prompt, NEW)
+    spec = speculative_generate(target, ScriptedProposer(BS, right), prompt, NEW, use_cache=use_cache)
+    assert spec.tokens == greedy_generate(target, prompt, NEW, use_cache=False)
+    assert spec.tokens == greedy_generate(target, prompt, NEW, use_cache=True)
     assert set(spec.accept_lengths) == {right + 1}
 
 
-def test_random_drafters_are_lossless(target):
+def test_random_drafters_are_lossless(target, use_cache):
     for seed in range(2):
         drafter = untrained_drafter(target, seed=seed, block_size=BS, num_hidden_layers=1)
         for prompt in prompts(2, seed=seed):
-            spec = speculative_generate(target, drafter, prompt, NEW)
-            assert spec.tokens == greedy_generate(target, prompt, NEW)
+            spec = speculative_generate(target, drafter, prompt, NEW, use_cache=use_cache)
+            assert spec.tokens == greedy_generate(target, prompt, NEW, use_cache=False)
             assert len(spec.tokens) == NEW and all(1 <= n <= BS for n in spec.accept_lengths)
 
 
@@ -71,15 +84,17 @@ def test_stop_token_ends_both_decoders_alike(target):
 
 def test_repeat_last_baseline(target):
     proposer = RepeatLastProposer(BS)
-    assert proposer.propose(target, [5, 9], torch.zeros(1, 1, 1)) == [9, 9, 9]
+    assert proposer.propose(target, [5, 9], torch.zeros(1, 1, 1), Sampler()) == [9, 9, 9]
     report = evaluate_baseline(target, prompts(), NEW, "repeat_last", block_size=BS, stop_token_ids=[])
     assert report["lossless"] is True and report["n_prompts"] == 3 and report["n_tokens"] == 3 * NEW
     assert 1 <= report["tau"] <= BS and sum(report["accept_histogram"]) == report["verify_steps"]
 
 
-def test_evaluate_reports_oracle_tau_and_untrained_baseline(target):
-    report = evaluate(target, ScriptedProposer(BS, BS - 1), prompts(2), 1 + 2 * BS, stop_token_ids=[])
+def test_evaluate_reports_oracle_tau_and_untrained_baseline(target, use_cache):
+    report = evaluate(target, ScriptedProposer(BS, BS - 1), prompts(2), 1 + 2 * BS, stop_token_ids=[],
+                      use_cache=use_cache)
     assert report["tau"] == BS and report["lossless"] and report["accept_histogram"] == [0, 0, 0, 4]
+    assert report["cache"] == ("on" if use_cache else "off") and report["greedy_tokens_per_s"] > 0
     assert report["tokens_per_s"] > 0 and report["speedup"] > 0
     untrained = evaluate_baseline(target, prompts(2), NEW, "untrained", block_size=BS, stop_token_ids=[])
     assert untrained["lossless"] and 1 <= untrained["tau"] <= BS
