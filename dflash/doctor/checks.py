@@ -250,6 +250,9 @@ def check_arch(so_path: str | None = None, gpus: list[dict] | None = None,
     has = (f"SASS {', '.join(f'sm_{s}' for s in summary.get('sass', [])) or 'none'}; "
            f"PTX {', '.join(f'sm_{s}' for s in summary.get('ptx', [])) or 'none'}")
     details = {"so": so_path, "summary": summary}
+    if not summary.get("sass") and not summary.get("ptx"):  # runs on no GPU at all, whatever is expected
+        return CheckResult("arch", FAIL, f"{so_path} holds no device code at all ({has}): it was compiled "
+                           f"without a -gencode arch or its fatbin was stripped; {WHEEL_FIX}", details=details)
     if gpus is None:
         gpus = visible_gpus()
     if gpus:

@@ -66,10 +66,15 @@ def check_verdict(path: Path) -> Health:
     if data.get("schema") != SCHEMA_VERSION or "ok" not in data:
         return Health(False, f"doctor verdict {path} has schema {data.get('schema')!r}, this check reads "
                              f"{SCHEMA_VERSION}; rerun `dflash doctor --save {path}` with this image's dflash")
+    checks, names = data.get("checks", []), data.get("failed") or []
+    if (not isinstance(checks, list) or not all(isinstance(c, dict) for c in checks) or not isinstance(names, list)
+            or not isinstance(data["ok"], bool)):
+        return Health(False, f"doctor verdict {path} is damaged (ok, checks or failed has the wrong type); "
+                             f"rerun `dflash doctor --save {path}`")
     if data["ok"]:
         return Health(True, "doctor: healthy")
-    failed = {c.get("name"): c.get("reason", "") for c in data.get("checks", []) if c.get("name") in data.get("failed", [])}
-    names = data.get("failed") or ["(unnamed)"]
+    names = [str(n) for n in names] or ["(unnamed)"]
+    failed = {str(c.get("name")): c.get("reason", "") for c in checks if str(c.get("name")) in names}
     lines = [f"doctor: failed checks: {', '.join(names)}"] + [f"  {n}: {failed.get(n, '')}" for n in names]
     return Health(False, "\n".join(lines))
 

@@ -174,9 +174,22 @@ def _parse_arch_list(text: str, where: str) -> tuple[int, ...]:
     from .checks import parse_sm
 
     try:
-        return tuple(sorted({parse_sm(a) for a in text.replace(" ", ",").split(",") if a}))
+        sms = tuple(sorted({parse_sm(a) for a in text.replace(" ", ",").split(",") if a}))
     except ValueError as e:
         raise ValueError(f"{where}: {e} Example: {where.lstrip('-$')}=12.0 or 9.0,12.0.") from None
+    if not sms:
+        raise ValueError(f"{where}={text!r} names no arch. Example: {where.lstrip('-$')}=12.0 or 9.0,12.0.")
+    try:
+        from wheelbuilder.targets import ARCH_MIN_CUDA
+    except ImportError:  # an install without the build tools: the spelling check above is all there is
+        return sms
+    known = {int(a.replace(".", "")) for a in ARCH_MIN_CUDA}
+    unknown = [f"{sm // 10}.{sm % 10}" for sm in sms if sm not in known]
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(unknown)} is not a GPU arch (known: {', '.join(ARCH_MIN_CUDA)}); "
+                         f"a typo would make the check pass or fail for the wrong GPU. Example: "
+                         f"{where.lstrip('-$')}=12.0.")
+    return sms
 
 
 def build_parser() -> argparse.ArgumentParser:
