@@ -5,8 +5,10 @@
     python -m images wheels --target T          builder stage -> dist/wheels/T/ (wheels + manifest.json)
     python -m images image --target T           runtime image dflash-train:T from those wheels
     python -m images export ... / push ...      OCI archive or LXC template; ship to a Proxmox host
+    python -m images publish --registry R       push the image and its SBOM to an OCI registry
+    python -m images push-docker --host H       stream the image to a Docker host over SSH, run its doctor
 
-Exit codes: images/errors.py (8-15, and wheelbuilder's 1-7 for what it raises from there).
+Exit codes: images/errors.py (8-16, and wheelbuilder's 1-7 for what it raises from there).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import sys
 from wheelbuilder.errors import run_cli
 
 # Modules that add their own subcommands through `register(subparsers)`.
-SUBCOMMAND_MODULES = ("images.build", "images.pins", "images.export", "images.push")
+SUBCOMMAND_MODULES = ("images.build", "images.pins", "images.export", "images.push", "images.publish",
+                      "images.push_docker")
 
 
 def _parser() -> argparse.ArgumentParser:

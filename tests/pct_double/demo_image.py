@@ -84,7 +84,10 @@ def demo_image_or_skip() -> str:
 
 PUBLISH_DOCKERFILE = """FROM {demo}
 COPY sbom.cdx.json /opt/dflash/sbom.cdx.json
-RUN printf '{marker}\\n' > /opt/dflash/revision
+RUN printf '{marker}\\n' > /opt/dflash/revision \\
+ && printf '#!/bin/sh\\nif [ "$1" = doctor ]; then\\n  if [ "$2" = --fail ]; then echo "doctor: FAIL demo check"; exit 1; fi\\n  echo "doctor: all checks passed ARGS=$*"; exit 0\\nfi\\nexec dflash-train "$@"\\n' > /usr/local/bin/dflash-entry \\
+ && chmod +x /usr/local/bin/dflash-entry
+ENTRYPOINT ["dflash-entry"]
 LABEL org.opencontainers.image.title=dflash-train org.opencontainers.image.revision={revision} \\
       io.dflash.target=cu130-sm120 io.dflash.torch-lock=cu130 io.dflash.wheel-sha256={wheel} \\
       io.dflash.sbom=/opt/dflash/sbom.cdx.json
@@ -92,7 +95,8 @@ LABEL org.opencontainers.image.title=dflash-train org.opencontainers.image.revis
 
 
 def labelled_demo_image(tag: str, revision: str = "0123456789abcdef0123") -> str:
-    """The demo image with the runtime image's labels and an SBOM (made by images.sbom from the host venv
+    """The demo image with the runtime image's labels, an SBOM, and an entrypoint that answers `doctor`
+    like the real one (`doctor --fail` fails, for the tests of a failing verdict) (made by images.sbom from the host venv
     and locks/cu130): what `publish` and `push-docker` need, in seconds. Another `revision` gives another
     image (a different layer), for the tests of tags that point elsewhere."""
     import hashlib
