@@ -37,10 +37,55 @@ class StepSums:
     valid: torch.Tensor     # [bs-1] float32: valid labels per block position
     tokens: torch.Tensor    # [] float32: real (unpadded) tokens of the micro-batch
     anchors: torch.Tensor   # [] float32: valid anchors (blocks) of the micro-batch
+    accepted: torch.Tensor  # [bs-1] float32: blocks whose positions 1..k are all valid and correct
+    reached: torch.Tensor   # [bs-1] float32: blocks whose positions 1..k-1 are correct and k is valid
 
     def detached(self) -> "StepSums":
         return StepSums(*(t.detach() for t in (self.loss_sum, self.weight, self.correct, self.valid,
-                                               self.tokens, self.anchors)))
+                                               self.tokens, self.anchors, self.accepted, self.reached)))
+
+    def pack(self) -> torch.Tensor:
+        """[4 + 4 x (bs-1)] float32, detached: the sums in one tensor, to add up and all-reduce at once."""
+        return torch.cat([self.loss_sum.detach().view(1), self.weight.view(1), self.correct, self.valid,
+                          self.tokens.view(1), self.anchors.view(1), self.accepted, self.reached]).float()
+
+
+def acceptance_sums(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([bs-1] accepted, [bs-1] reached) from [B,N,bs-1] masks: what greedy verification would accept.
+
+    A block "reaches" position k when positions 1..k-1 are all correct (verification got that far) and k
+    has a label; it "accepts" k when k is correct too. accepted_k / reached_k estimates
+    a_k = P(position k correct | positions 1..k-1 correct), the per-position acceptance rate.
+    """
+    correct, valid = correct.bool() & valid.bool(), valid.bool()
+    upto = correct.long().cumprod(dim=-1)                                       # 1 while all so far correct
+    before = torch.cat([torch.ones_like(upto[..., :1]), upto[..., :-1]], dim=-1)
+    return upto.sum((0, 1)).float(), (before * valid.long()).sum((0, 1)).float()
+
+
+def summarize(totals: torch.Tensor, block_size: int, grad_norm: torch.Tensor | None = None) -> dict:
+    """Metrics of packed sums (StepSums.pack, added up over micro-batches and ranks); one read-back.
+
+    loss (weighted CE), acc and acc_per_pos (top-1 accuracy per block position 1..bs-1),
+    accept_per_pos (a_k above) and tau_est = 1 + sum_k prod_{j<=k} a_j: the expected tokens per
+    verify step when the anchors fall where the data's do and the labels are the target's greedy tokens
+    (dflash.train_eval says why). `grad_norm` ([], optional) is read back with the rest.
+    """
+    k = block_size - 1
+    loss_sum, weight = totals[0], totals[1]
+    correct, valid = totals[2:2 + k], totals[2 + k:2 + 2 * k]
+    tokens, anchors = totals[2 + 2 * k], totals[3 + 2 * k]
+    accepted, reached = totals[4 + 2 * k:4 + 3 * k], totals[4 + 3 * k:4 + 4 * k]
+    accept = accepted / reached.clamp(min=1)
+    tau = 1 + torch.cumprod(accept, 0).sum()
+    norm = totals.new_full((), float("nan")) if grad_norm is None else grad_norm.detach().to(totals)
+    head = torch.stack([loss_sum / weight.clamp(min=1e-12), correct.sum() / valid.sum().clamp(min=1), tau,
+                        tokens, anchors, norm.reshape(())])
+    loss, acc, tau, tokens, anchors, norm, *rest = torch.cat([head, correct / valid.clamp(min=1), accept]).tolist()
+    out = {"loss": loss, "acc": acc, "acc_per_pos": [round(x, 4) for x in rest[:k]],
+           "accept_per_pos": [round(x, 4) for x in rest[k:]], "tau_est": round(tau, 4),
+           "tokens": int(tokens), "anchors": int(anchors)}
+    return out if grad_norm is None else {"grad_norm": norm, **out}
 
 
 def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: list[torch.Tensor], *,
@@ -70,9 +115,10 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
                                                             blocks.labels, blocks.label_valid, gamma)
     if mark:
         mark("drafter forward")
+    accepted, reached = acceptance_sums(correct, blocks.label_valid)
     return StepSums(loss_sum=loss_sum, weight=weight, correct=correct.sum((0, 1)).float(),
                     valid=blocks.label_valid.sum((0, 1)).float(), tokens=attn.sum().float(),
-                    anchors=blocks.anchor_valid.sum().float())
+                    anchors=blocks.anchor_valid.sum().float(), accepted=accepted, reached=reached)
 
 
 def backward(sums: StepSums, d: distributed.Dist, grad_accum: int) -> None:

@@ -14,10 +14,8 @@ are read back once per optimizer step, for its metrics record (metrics.jsonl, th
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +34,8 @@ from .errors import CheckpointError, ConfigError, TrainError
 from .losses import LOSS_CHUNK_ROWS
 from .schedule import lr_lambda
 from .signals import StopFlag
-from .step import StepSums, backward, micro_batch_sums
+from .train_eval import eval_split
+from .step import StepSums, backward, micro_batch_sums, summarize
 
 log = logging.getLogger("dflash.train")
 
@@ -92,7 +91,10 @@ class Trainer:
     """Holds the run's pieces; `run()` trains and returns a TrainResult. Build it with `train()`."""
 
     def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
-                 stop: StopFlag, on_step: Callable[[int, dict], None] | None = None):
+                 stop: StopFlag, on_step: Callable[[int, dict], None] | None = None,
+                 eval_items: list[dict] | None = None):
+        from .monitor import RunMonitor
+
         from .drafter_io import load_drafter
         from .model import Drafter
 
@@ -120,6 +122,7 @@ class Trainer:
             self.optimizer, lr_lambda(self.total_steps, config.warmup_ratio))
         self.step = 0
         self.heartbeat = Heartbeat(every=config.heartbeat_every) if d.is_main else None
+        self.monitor = RunMonitor(self, eval_items or [])  # metrics.jsonl, log, trackers, evaluation
 
     def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder:
         cfg = self.config
@@ -176,6 +179,7 @@ class Trainer:
         for i, item in zip(mine, items):
             g = torch.Generator().manual_seed(anchor_seed(self.config.seed, epoch, i))
             anchors.append(sample_anchors(item["loss_mask"], self.config.max_anchors, g))
+        self.monitor.count(items, anchors)
         batch = collate(items, self.pad_id)
         return {k: v.to(self.d.device) for k, v in batch.items()}, anchors
 
@@ -192,7 +196,7 @@ class Trainer:
     def _optimizer_step(self) -> dict:
         """grad_accum micro-batches, clip, AdamW step, LR step; returns the step's metrics (all ranks)."""
         cfg = self.config
-        totals = None  # [loss_sum, weight, correct x (bs-1), valid x (bs-1), tokens, anchors], on the device
+        totals = None  # StepSums.pack() added up, on the device
         for k in range(cfg.grad_accum):
             epoch, indices = self.order.next()
             batch, anchors = self._collate_shard(epoch, indices)
@@ -202,9 +206,7 @@ class Trainer:
                 n = sum(int(a.numel()) for a in anchors)
                 raise TrainError(_oom_message(cfg, tuple(batch["input_ids"].shape), n,
                                               self.target.vocab_size)) from exc
-            packed = torch.cat([sums.loss_sum.view(1), sums.weight.view(1), sums.correct, sums.valid,
-                                sums.tokens.view(1), sums.anchors.view(1)])
-            totals = packed if totals is None else totals + packed
+            totals = sums.pack() if totals is None else totals + sums.pack()
             if self.heartbeat:
                 self.heartbeat.beat(self.step)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip) \
@@ -215,16 +217,8 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         totals = distributed.all_reduce_sum(self.d, totals)
-        k = cfg.block_size - 1
-        correct, valid = totals[2:2 + k], totals[2 + k:2 + 2 * k]
-        summary = torch.cat([(totals[0] / totals[1].clamp(min=1e-12)).view(1),
-                             (correct.sum() / valid.sum().clamp(min=1)).view(1), correct / valid.clamp(min=1),
-                             totals[-2:], grad_norm.detach().view(1).to(totals)])
-        loss, acc, *per_pos, tokens, anchors, norm = summary.tolist()  # the one read-back of the step
-        return {
-            "step": self.step, "lr": lr, "grad_norm": norm, "loss": loss, "acc": acc,
-            "acc_per_pos": [round(x, 4) for x in per_pos], "tokens": int(tokens), "anchors": int(anchors),
-        }
+        # the one read-back of the step: the summed statistics and the (already global) grad norm
+        return {"step": self.step, "lr": lr, **summarize(totals, cfg.block_size, grad_norm)}
 
     # --- the loop ----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -241,27 +235,15 @@ class Trainer:
         result = TrainResult(drafter=self.drafter, step=self.step)
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (cfg.progress and d.is_main), dynamic_ncols=True)
-        metrics_path = cfg.out_dir / "metrics.jsonl"
-        window_tokens, window_start = 0, time.perf_counter()
         self.drafter.train()
         if self.heartbeat:
             self.heartbeat.beat(self.step, force=True)
         while self.step < self.total_steps:
             m = self._optimizer_step()
-            window_tokens += m["tokens"]
-            elapsed = time.perf_counter() - window_start
-            m["tokens_per_s"] = round(window_tokens / max(elapsed, 1e-9), 1)
+            self.monitor.step(m)
             result.history.append(m)
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
-            if d.is_main:
-                with open(metrics_path, "a") as fh:
-                    fh.write(json.dumps(m) + "\n")
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    log.info("step %d/%d loss %.4f acc %.3f lr %.2e tok/s %.0f acc/pos %s", self.step,
-                             self.total_steps, m["loss"], m["acc"], m["lr"], m["tokens_per_s"],
-                             " ".join(f"{a:.2f}" for a in m["acc_per_pos"]))
-                    window_tokens, window_start = 0, time.perf_counter()
             if self.on_step and self.on_step(self.step, m):
                 self.stop.request("request")
             if distributed.any_rank(d, bool(self.stop)):
@@ -281,6 +263,7 @@ class Trainer:
             dtype = torch.bfloat16 if cfg.drafter_dtype == "bf16" else torch.float32
             ckpt.export_drafter(result.checkpoint, cfg.out_dir / "drafter", dtype)
             log.info("drafter written to %s", cfg.out_dir / "drafter")
+        self.monitor.close(stopped=bool(result.stopped_by))
         return result
 
 
@@ -380,9 +363,10 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             target = load_target(config, d.device)
         if items is None:
             items = load_items(config, target)
+        items, eval_items = eval_split(config, target, items)
         if d.is_main:
             config.to_json(config.out_dir / "config.json")
-        trainer = Trainer(config, target, items, d, stop, on_step)
+        trainer = Trainer(config, target, items, d, stop, on_step, eval_items)
         if config.resume:
             trainer.restore()
         log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",

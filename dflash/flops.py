@@ -1,0 +1,101 @@
+"""Model FLOPs of a training step and the GPU's peak: model FLOPs utilisation (MFU), as nanoGPT reports it.
+
+Model FLOPs count the useful work only (recomputation and masked-out attention do not count):
+  target forward  2 x (decoder-layer parameters) x tokens + 4 x head_dim x heads x (causal query-key
+                  pairs) per full-attention layer (the GatedDeltaNet recurrences, under 1 %, are left out)
+  drafter         3 x forward (forward + backward): 2 x parameters x the rows each matrix sees (q/o/MLP:
+                  block rows; k/v: context + block rows; fc: context rows) + 4 x head_dim x heads x
+                  (visible query-key pairs of the drafter mask, dflash.masks)
+  LM head         4 x hidden x vocab x scored rows (forward + input gradient; the head is frozen)
+bench/bench_train.py counts the drafter's visible pairs from the dense mask; the trainer counts them
+from the anchor positions (`drafter_pairs`): a block anchored at a sees the a context positions before
+it and its own bs tokens (a sliding window W cuts the context to W on every layer but the last).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, by device name.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "B200": 2250.0, "B300": 2250.0,
+                    "GB200": 2500.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "RTX 6000 Ada": 364.0,
+                    "RTX PRO 6000": 504.0, "RTX 5090": 209.0, "RTX 4090": 165.0}
+
+
+def target_forward_flops(target, lengths: list[int]) -> float:
+    """Forward FLOPs of the frozen target over sequences of these (unpadded) lengths."""
+    cfg = target.config
+    layer_params = sum(p.numel() for p in target._layers.parameters())
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * target.num_layers
+    n_full = sum(1 for t in types if t == "full_attention")
+    causal_pairs = sum(n * (n + 1) / 2 for n in lengths)
+    head_dim = int(getattr(cfg, "head_dim", None) or target.hidden_size // cfg.num_attention_heads)
+    return 2 * layer_params * sum(lengths) + 4 * head_dim * cfg.num_attention_heads * causal_pairs * n_full
+
+
+def drafter_pairs(anchor_positions: list[int], block_size: int, window: int | None = None) -> float:
+    """Visible query-key pairs of the drafter's full-attention mask for valid anchors at these positions
+    (with `window`: the context each block row sees is at most `window` positions)."""
+    context = sum(min(a, window) if window else a for a in anchor_positions)
+    return float(block_size * (context + block_size * len(anchor_positions)))
+
+
+def drafter_flops(dcfg, context_tokens: int, rows: int, pairs: float) -> float:
+    """Forward + backward FLOPs of the drafter: `rows` block rows over `context_tokens` context rows."""
+    H = dcfg.hidden_size
+    q_o_mlp = 2 * H * dcfg.num_attention_heads * dcfg.head_dim + 3 * H * dcfg.intermediate_size
+    k_v = 2 * H * dcfg.num_key_value_heads * dcfg.head_dim
+    per_layer = (2 * q_o_mlp * rows + 2 * k_v * (context_tokens + rows)
+                 + 4 * dcfg.head_dim * dcfg.num_attention_heads * pairs)
+    return 3 * (dcfg.num_hidden_layers * per_layer + 2 * len(dcfg.target_layer_ids) * H * H * context_tokens)
+
+
+def head_flops(dcfg, scored_rows: int) -> float:
+    """LM head FLOPs over the scored block positions (forward + input gradient)."""
+    return 4 * dcfg.hidden_size * dcfg.vocab_size * scored_rows
+
+
+class StepFlops:
+    """Model FLOPs of micro-batches from their items and anchors (host-side: no device sync)."""
+
+    def __init__(self, target, dcfg):
+        self.target, self.dcfg = target, dcfg
+
+    def __call__(self, items: list[dict], anchors: list[torch.Tensor]) -> float:
+        lengths = [int(it["input_ids"].numel()) for it in items]
+        positions = [int(a) for t in anchors for a in t.tolist()]
+        bs = self.dcfg.block_size
+        sliding = sum(1 for t in (self.dcfg.layer_types or []) if t == "sliding_attention")
+        full_pairs = drafter_pairs(positions, bs)
+        window_pairs = drafter_pairs(positions, bs, self.dcfg.sliding_window) if sliding else full_pairs
+        n = max(1, self.dcfg.num_hidden_layers)
+        pairs = (sliding * window_pairs + (n - sliding) * full_pairs) / n
+        return (target_forward_flops(self.target, lengths)
+                + drafter_flops(self.dcfg, sum(lengths), len(positions) * bs, pairs)
+                + head_flops(self.dcfg, len(positions) * (bs - 1)))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak in FLOP/s: the data-sheet value for a known GPU, else measured on
+    4096^3 products (a few hundred milliseconds once); None on a CPU (no MFU there)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return measured_matmul_flops(device)
+
+
+def measured_matmul_flops(device: torch.device, n: int = 4096, reps: int = 20) -> float:
+    """bf16 FLOP/s of n^3 matrix products on random data (after 3 warm-ups)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3)
