@@ -15,8 +15,8 @@
 a first argument naming a subcommand is dispatched like `dflash <subcommand>`.
 
 This module only parses and dispatches. Every `*_main(argv) -> int` returns an exit code; a DflashError
-(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6, drafter 7) prints one clear message
-instead of a traceback and exits with its code.
+(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6, drafter 7, server 8) prints one
+clear message instead of a traceback and exits with its code.
 """
 
 from __future__ import annotations

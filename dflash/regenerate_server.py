@@ -315,7 +315,8 @@ def regenerate_from_args(args) -> RunSummary:
         try:
             kwargs = json.loads(args.chat_template_kwargs)
         except ValueError as exc:
-            raise ConfigError(f"--chat-template-kwargs is not JSON ({exc}); e.g. '{{\"enable_thinking\": false}}'") from None
+            raise ConfigError(f"--chat-template-kwargs is not JSON ({exc}); e.g. "
+                              "'{\"enable_thinking\": false}'") from None
         if not isinstance(kwargs, dict):
             raise ConfigError(f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs!r}")
     client = ChatClient(url=url, model=args.model, max_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -141,6 +141,20 @@ def test_bad_endpoint_fails_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--endpoint", "http://127.0.0.1:1"], "--endpoint needs --model"),
+    (["--endpoint", "http://127.0.0.1:1", "--model", "m", "--chat-template-kwargs", "{bad"], "is not JSON"),
+    (["--endpoint", "http://127.0.0.1:1", "--model", "m", "--concurrency", "0"], "--concurrency (0)"),
+    (["--target", "some/dir", "--resume"], "--model and --resume go with --endpoint"),
+])
+def test_bad_options_are_refused_before_any_work(tmp_path, capsys, options, message):
+    data = write_data(tmp_path / "in.jsonl", [{"messages": [user("a")]}])
+    out = tmp_path / "out.jsonl"
+    assert main(["regenerate", *options, "--data", str(data), "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_keys_are_ids_else_prompt_hashes_and_duplicate_ids_are_refused(tmp_path):
     conv = {"messages": [user("q"), {"role": "assistant", "content": "a"}]}
     data = write_data(tmp_path / "in.jsonl", [{"id": 7, **conv}, conv, conv, "not a conversation"])
