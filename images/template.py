@@ -130,7 +130,12 @@ def export_template(info: ImageInfo, out_dir: Path, *, epoch: int | None = None,
                     bar.update(len(chunk))
         finally:
             container.remove(force=True)
-        libcuda = _repack(spool, tmp, info, epoch, [zstd, "-q", "-T0", f"-{level}", "-o", str(tmp), "-f"], progress)
+        try:
+            libcuda = _repack(spool, tmp, info, epoch, [zstd, "-q", "-T0", f"-{level}", "-o", str(tmp), "-f"],
+                              progress)
+        except BaseException:  # Ctrl-C, SIGTERM, a full disk: no half-written template is left behind
+            tmp.unlink(missing_ok=True)
+            raise
     os.replace(tmp, final)
     return final, libcuda
 
@@ -144,7 +149,14 @@ def _repack(spool: Path, dest: Path, info: ImageInfo, epoch: int, zstd_cmd: list
             # in an unprivileged container and pct skips ./dev/* on restore anyway.
             if ti.name == "./.dockerenv" or ti.name.startswith("./dev/"):
                 continue
+            # What the build leaves in /tmp (torch's inductor cache, pip's files) belongs to no container.
+            if ti.name.startswith("./tmp/"):
+                continue
             members[ti.name] = ti
+        # The builder's wheel folder, once its wheels are installed and removed, is only clutter.
+        for folder in ("./wheels",):
+            if folder in members and not any(n.startswith(folder + "/") for n in members):
+                del members[folder]
         env_member = members.get("./etc/environment")
         existing = src.extractfile(env_member).read() if env_member is not None and env_member.isfile() else b""
         extra = carried_files(info, members, existing)

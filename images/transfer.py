@@ -175,6 +175,9 @@ def send_file(host: SshHost, local: Path, remote_dir: str, *, sha256: str | None
     `bwlimit_mb_s`: upload cap in MB/s (10**6 bytes per second). Raises TransferError before sending anything when the name is taken by a
     different file (without `force`) or the host lacks space."""
     local = Path(local)
+    if not local.is_file():
+        raise TransferError(f"{local} does not exist or is not a file; export the artifact first "
+                            "(python -m images export) or give the path it was written to.")
     size = local.stat().st_size
     final = f"{remote_dir.rstrip('/')}/{local.name}"
     partial = f"{remote_dir.rstrip('/')}/.{local.name}.partial"
@@ -244,7 +247,16 @@ def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
 
 
 def main_send(argv: list[str] | None = None) -> int:
-    """`python -m images.transfer HOST FILE DIR [...]`: one upload (used by tests to kill a client)."""
+    """`python -m images.transfer HOST FILE DIR [...]`: one upload (used by tests to kill a client).
+    Errors print their message and exit with their code (images/errors.py): 10 transfer, 11 host key;
+    Ctrl-C 130, SIGTERM 143 (the host keeps .NAME.partial, the next run resumes it)."""
+    from wheelbuilder.errors import run_cli
+
+    return run_cli("images.transfer", lambda: _send(argv),
+                   "interrupted; the host keeps the partial upload and the next run resumes it.")
+
+
+def _send(argv: list[str] | None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m images.transfer")
@@ -256,8 +268,13 @@ def main_send(argv: list[str] | None = None) -> int:
     p.add_argument("--known-hosts")
     p.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
     p.add_argument("--force", action="store_true")
+    p.add_argument("--accept-new-host-key", action="store_true",
+                   help="trust and record the host's key on first contact (a changed key is still refused)")
     a = p.parse_args(argv)
-    with SshHost(a.target, port=a.port, identity=a.identity, known_hosts=a.known_hosts) as host:
+    if not a.file.is_file():  # before connecting: a typo costs no SSH round trip
+        raise TransferError(f"{a.file} does not exist or is not a file; give the artifact to send.")
+    with SshHost(a.target, port=a.port, identity=a.identity, known_hosts=a.known_hosts,
+                 accept_new_host_key=a.accept_new_host_key) as host:
         r = send_file(host, a.file, a.remote_dir, force=a.force, bwlimit_mb_s=a.bwlimit)
     print(f"{r.status} {r.remote_path} {r.bytes_sent} bytes in {r.seconds:.1f}s ({r.rate_mb_s:.1f} MB/s)")
     return 0
