@@ -13,7 +13,7 @@ CTID    ?=
 PUSH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-image bench-push push clean
+.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-eval bench-image bench-push push clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -64,6 +64,11 @@ bench-kernels: venv  ## GatedDeltaNet kernels vs their torch fallbacks; a Qwen3.
 
 bench-loss: venv  ## the full-logits loss vs the chunked LM head: step time and peak GPU memory
 	$(PY) bench/bench_loss.py
+
+# the drafter bench-eval times (default: where the built-in demo, `dflash-train`, writes it)
+DRAFTER ?= runs/dflash/drafter
+bench-eval: venv  ## speculative vs greedy decoding, target cache on and off (demo target, DRAFTER=dir)
+	$(PY) bench/bench_eval.py --drafter $(DRAFTER)
 
 bench-image: engine  ## runtime vs builder image size, doctor wall time, container start -> healthy
 	$(PY) bench/bench_image.py --target $(TARGET)
