@@ -4,8 +4,12 @@
     --load_chat_jsonl--> conversations [[{"role", "content"}, ...], ...] + a DataReport of what was skipped
     --write_jsonl--> the same format back (written atomically)
 
-ShareGPT's {"conversations": [{"from", "value"}]} and OpenAI-style text parts are read too. A
-conversation may end with a user prompt and no answer: `dflash.regenerate` fills it in.
+ShareGPT's {"conversations": [{"from", "value"}]} and OpenAI-style text parts are read too, and so
+are the fields chat templates render besides the text: an assistant's reasoning (`reasoning_content`,
+or vLLM's `reasoning` / `thinking`, stored as `reasoning_content`) and `tool_calls` (their `arguments`
+parsed from a JSON string into a mapping, as Qwen3.5's template needs), and `tool` messages (with
+`name` / `tool_call_id`). A conversation may end with a user prompt and no answer: `dflash.regenerate`
+fills it in.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from .errors import DataError
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT spells roles differently; these are the spellings seen in the wild.
 _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 _MESSAGE_KEYS = ("messages", "conversations", "conversation")
+# Where servers and datasets put an assistant's reasoning (vLLM >= 0.11: reasoning; SGLang: reasoning_content).
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
 @dataclass
@@ -72,10 +78,59 @@ def _message_text(content) -> str:
     raise ValueError(f"content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+def _tool_calls(calls) -> list[dict]:
+    """OpenAI-style tool calls, each {"type": "function", "function": {"name", "arguments": mapping}}."""
+    if not isinstance(calls, list):
+        raise ValueError(f"tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls, start=1):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool call {j} has no function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # servers return a JSON string; templates iterate a mapping
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"tool call {j} ({fn['name']}): arguments are not JSON: {exc}") from None
+        if isinstance(args, dict):  # Arrow gives every struct the union of all rows' keys, missing ones null
+            args = {k: v for k, v in args.items() if v is not None}
+        out.append({"type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _message(i: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise ValueError(f"message {i} is a {type(message).__name__}, not an object")
+    role = message.get("role", message.get("from"))
+    role = _ROLE_ALIASES.get(role, role)
+    if role not in ROLES:
+        raise ValueError(f"message {i} has role {role!r}; supported roles: {', '.join(ROLES)}")
+    content = message.get("content", message.get("value"))
+    calls = message.get("tool_calls") if role == "assistant" else None
+    try:
+        out = {"role": role, "content": "" if content is None and calls else _message_text(content)}
+        if calls:
+            out["tool_calls"] = _tool_calls(calls)
+    except ValueError as exc:
+        raise ValueError(f"message {i}: {exc}") from None
+    if role == "assistant":
+        reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise ValueError(f"message {i}: reasoning must be a string, got {type(reasoning).__name__}")
+            out["reasoning_content"] = reasoning
+    if role == "tool":
+        out.update({k: str(message[k]) for k in ("name", "tool_call_id") if message.get(k) is not None})
+    return out
+
+
 def parse_conversation(record) -> list[dict]:
-    """One JSONL record -> [{"role", "content"}, ...]; raises ValueError saying what is wrong.
+    """One JSONL record -> [{"role", "content", ...}, ...]; raises ValueError saying what is wrong.
 
     Accepts {"messages": [...]}, {"conversations": [...]} (also ShareGPT's from/value) or a bare list.
+    Besides role and content a message keeps reasoning_content and tool_calls (assistant) and name and
+    tool_call_id (tool); a None field counts as absent (Parquet and Arrow fill missing fields with null).
     """
     if isinstance(record, dict):
         key = next((k for k in _MESSAGE_KEYS if k in record), None)
@@ -84,21 +139,9 @@ def parse_conversation(record) -> list[dict]:
         record = record[key]
     if not isinstance(record, list) or not record:
         raise ValueError("the conversation must be a non-empty list of messages")
-    messages = []
-    for i, message in enumerate(record, start=1):
-        if not isinstance(message, dict):
-            raise ValueError(f"message {i} is a {type(message).__name__}, not an object")
-        role = message.get("role", message.get("from"))
-        role = _ROLE_ALIASES.get(role, role)
-        if role not in ROLES:
-            raise ValueError(f"message {i} has role {role!r}; supported roles: {', '.join(ROLES)}")
-        try:
-            content = _message_text(message.get("content", message.get("value")))
-        except ValueError as exc:
-            raise ValueError(f"message {i}: {exc}") from None
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" and m["content"] for m in messages):
-        if messages[-1]["role"] != "user":
+    messages = [_message(i, message) for i, message in enumerate(record, start=1)]
+    if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in messages):
+        if messages[-1]["role"] not in ("user", "tool"):
             raise ValueError("no assistant message and no final user prompt to answer")
     return messages
 

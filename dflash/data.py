@@ -1,10 +1,10 @@
 """Training data for DFlash: conversations -> token ids + assistant-only loss mask -> length-bucketed batches.
 
     conversations (dflash.chat) --ChatDataset(tokenizer, max_length, block_size)--> items
-        {input_ids [T], loss_mask [T]}
+        {input_ids [T], loss_mask [T]}      (loss mask: dflash.spans, from the single full render)
     --DataOrder: make_batches(lengths, max_tokens, batch_size, seed, epoch), epoch after epoch-->
         sample indices of each global micro-batch --collate--> padded [B,T] tensors
-    load_items(config, target): --data through ChatDataset to the items a run trains on
+    load_items(config, target): --data of any size, tokenised in parallel and cached (dflash.token_cache)
 
 Training on the target's own responses (not the dataset's) is what DFlash wants (dflash.regenerate):
 the drafter must predict what *this* target says next. Samples with fewer than 2 x block_size
@@ -20,67 +20,21 @@ import random
 
 import torch
 
-from .chat import DataReport, load_chat_jsonl, render
-from .config import TrainConfig
+from .chat import DataReport
 from .errors import DataError, TrainError
+from .spans import Unusable, assistant_char_spans, tokenize_conversation  # noqa: F401  (the API of this module)
 
 log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------------------------------
-# Tokenisation with an assistant-only loss mask
-# --------------------------------------------------------------------------------------------------
-def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character span of each assistant answer.
-
-    A span runs from the end of the generation prompt (e.g. "<|im_start|>assistant\\n") to the end of
-    the answer including its end token ("<|im_end|>"), without trailing whitespace: what the model
-    itself must produce. It is found by rendering prefixes, which works for any template whose
-    rendering of messages[:i] is a prefix of the whole (ChatML and Qwen's templates are).
-    """
-    full = render(tokenizer, messages)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        through = render(tokenizer, messages[: i + 1])
-        if not (full.startswith(through) and through.startswith(before)):
-            raise DataError(
-                f"the chat template renders assistant message {i + 1} differently depending on what follows "
-                "(a prefix render is not a prefix of the full render), so answer tokens cannot be located; "
-                "use a template where earlier turns render the same way, e.g. plain ChatML"
-            )
-        spans.append((len(before), len(through.rstrip())))
-    return full, spans
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> tuple[list[int], list[int]]:
-    """Chat-template token ids and a loss mask that is 1 exactly on assistant answer tokens.
-
-    Returns (input_ids, loss_mask), both truncated to `max_length`. A token counts as assistant when
-    its character range overlaps an answer span (see `assistant_char_spans`); that needs a fast
-    tokenizer (offset mappings).
-    """
-    if max_length < 2:
-        raise ValueError(f"max_length={max_length} is too short; use at least a few hundred tokens")
-    if not getattr(tokenizer, "is_fast", False):
-        raise DataError(f"{type(tokenizer).__name__} is not a fast tokenizer; load it with use_fast=True "
-                        "(offset mappings are needed to find the assistant tokens)")
-    text, spans = assistant_char_spans(tokenizer, messages)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoded["input_ids"][:max_length])
-    loss_mask = [int(any(s < end and e > start for start, end in spans))
-                 for s, e in encoded["offset_mapping"][:max_length]]
-    return input_ids, loss_mask
-
-
 class ChatDataset(torch.utils.data.Dataset):
-    """Tokenised conversations; items are {"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}.
+    """Tokenised conversations in memory; items are {"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}.
 
-    Samples with fewer than `min_supervised` (default 2 * block_size) assistant tokens after
-    truncation are dropped and counted in `.report` (reason "too_few_supervised_tokens"); so are
-    conversations the template cannot render ("template_error").
+    For the demo and tests; a run's --data goes through dflash.token_cache (parallel, cached). Samples
+    with fewer than `min_supervised` (default 2 * block_size) assistant tokens after truncation are
+    dropped and counted in `.report` (reason "too_few_supervised_tokens"); so are conversations that
+    give no sample (dflash.spans.Unusable: "template_error", "no_assistant_turn", "empty_assistant_turn").
+    A template with no way to locate assistant turns raises ChatTemplateError.
     """
 
     def __init__(self, conversations, tokenizer, *, max_length: int, block_size: int = 16,
@@ -93,8 +47,8 @@ class ChatDataset(torch.utils.data.Dataset):
             self.report.n_read += 1
             try:
                 ids, mask = tokenize_conversation(tokenizer, messages, max_length)
-            except Exception as exc:  # jinja raises its own types for templates that reject a conversation
-                self.report.skip("template_error", f"conversation {n}: {exc}")
+            except Unusable as exc:
+                self.report.skip(exc.reason, f"conversation {n}: {exc}")
                 continue
             if sum(mask) < self.min_supervised:
                 self.report.skip("too_few_supervised_tokens",
@@ -217,8 +171,11 @@ class DataOrder:
         return {"epoch": self.epoch, "batch_index": self.index}
 
 
-def data_fingerprint(items: list[dict]) -> str:
-    """16 hex digits over every sequence's tokens and loss mask: resume refuses changed data."""
+def data_fingerprint(items) -> str:
+    """16 hex digits over every sequence's tokens and loss mask: resume refuses changed data. Items from
+    the token cache carry theirs (its key: data content, tokenizer, max length, span rules)."""
+    if getattr(items, "fingerprint", None):
+        return items.fingerprint
     h = hashlib.sha256()
     for item in items:
         h.update(item["input_ids"].to(torch.int64).numpy().tobytes())
@@ -230,12 +187,13 @@ def data_fingerprint(items: list[dict]) -> str:
 # --------------------------------------------------------------------------------------------------
 # Loading a run's training items
 # --------------------------------------------------------------------------------------------------
-def load_items(config: TrainConfig, target) -> list[dict]:
-    """Read --data, tokenize with the target's chat template, drop samples too short to supervise."""
-    conversations, report = load_chat_jsonl(config.data, on_error=config.on_bad_line)
-    log.info("data %s: %s", config.data, report)
-    return dataset_items(ChatDataset(conversations, target.tokenizer, max_length=config.max_length,
-                                     block_size=config.block_size))
+def load_items(config, target):
+    """The run's items: --data (and --eval-data / --eval-fraction) tokenised with the target's chat template,
+    once per data + tokenizer + max length, cached on disk and shared by all ranks (dflash.token_cache).
+    The result is a TokenizedItems; its `.eval` holds the evaluation split (None without one)."""
+    from .token_cache import load_tokenized
+
+    return load_tokenized(config, target.tokenizer)
 
 
 def dataset_items(dataset) -> list[dict]:

@@ -14,6 +14,7 @@ RuntimeError), so callers that catch those still do.
     6  DataError        the training data cannot be read or tokenised
     7  DrafterError     a drafter directory cannot be read, or does not fit the target
     8  ServerError      an inference server failed requests after every retry (`dflash regenerate --endpoint`)
+    9  ChatTemplateError the target's chat template gives no way to locate assistant turns (a DataError)
 """
 
 from __future__ import annotations
@@ -66,3 +67,10 @@ class ServerError(DflashError, RuntimeError):
     where each failure is recorded."""
 
     exit_code = 8
+
+
+class ChatTemplateError(DataError):
+    """The chat template gives no way to locate assistant turns (no generation prompt, no end-of-turn
+    marker, turns not starting with the generation prompt); the message names the template."""
+
+    exit_code = 9

@@ -54,6 +54,8 @@ def split_items(items: list[dict], fraction: float, seed: int) -> tuple[list[dic
 
 def eval_split(config: TrainConfig, target, items: list[dict]) -> tuple[list[dict], list[dict]]:
     """The run's (training items, evaluation items) as --eval-data / --eval-fraction say."""
+    if hasattr(items, "eval"):  # dflash.token_cache made (and cached) the split while tokenising --data
+        return items, list(items.eval or [])
     if config.eval_data:
         from .data import load_items
 

@@ -13,10 +13,10 @@ from dflash.chat import load_chat_jsonl
 from dflash.data import ChatDataset, collate, make_batches, padding_fraction, tokenize_conversation
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.tokenizer import CHAT_TEMPLATE, IM_END, build_chat_tokenizer
-from dflash.errors import DataError
+from dflash.errors import ChatTemplateError, DataError
 from dflash.regenerate import generate_replies, regenerate
 
-# ChatML without {% generation %} tags: the mask must come out the same through prefix rendering.
+# ChatML without {% generation %} tags: the mask located in the full render must equal the tags' one.
 PLAIN_CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -54,8 +54,8 @@ def test_stop_names_file_and_line(tmp_path):
 
 
 def test_stop_names_line_of_bad_conversation(tmp_path):
-    path = _write(tmp_path, [GOOD, json.dumps({"messages": [{"role": "tool", "content": "x"}]})])
-    with pytest.raises(DataError, match=r":2: message 1 has role 'tool'"):
+    path = _write(tmp_path, [GOOD, json.dumps({"messages": [{"role": "developer", "content": "x"}]})])
+    with pytest.raises(DataError, match=r":2: message 1 has role 'developer'"):
         load_chat_jsonl(path, on_error="stop")
 
 
@@ -95,7 +95,7 @@ def test_mask_covers_exactly_the_answers(tokenizer):
 
 
 def test_mask_matches_generation_tags(tokenizer):
-    """Prefix rendering and the template's {% generation %} tags are independent; they must agree."""
+    """Walking the full render and the template's {% generation %} tags are independent; they must agree."""
     for messages in [CONVERSATION] + demo_conversations(20, seed=3):
         ids, mask = tokenize_conversation(tokenizer, messages, max_length=4096)
         ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
@@ -121,12 +121,26 @@ def test_truncation(tokenizer):
     assert len(ids) == len(mask) == 12
 
 
-def test_unstable_template_is_refused(tokenizer):
-    # renders the last message specially, so earlier prefixes are not prefixes of the whole
+def test_template_without_turn_ends_is_refused(tokenizer):
+    # no end-of-turn marker: where an answer stops cannot be located (nor its stop token supervised)
     template = ("{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['role'] + ': ' + m['content'] }}"
                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
-    with pytest.raises(DataError, match="prefix render"):
+    with pytest.raises(ChatTemplateError, match="writes no end-of-turn marker"):
         tokenize_conversation(_with_template(tokenizer, template), CONVERSATION, max_length=100)
+
+
+def test_tool_calls_reasoning_and_tool_messages_are_read(tmp_path):
+    record = {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "reasoning": "look it up",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "21 C", "tool_call_id": "c1", "name": None},
+        {"role": "assistant", "content": "21 C."}]}
+    convs, report = load_chat_jsonl(_write(tmp_path, [json.dumps(record)]), on_error="stop")
+    assert convs[0][1] == {"role": "assistant", "content": "", "reasoning_content": "look it up", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert convs[0][2] == {"role": "tool", "content": "21 C", "tool_call_id": "c1"}
 
 
 def test_dataset_drops_short_samples(tokenizer):
