@@ -338,10 +338,13 @@ class TargetShape:
 
 
 def target_shape(path) -> TargetShape:
-    """TargetShape of the HF model directory `path`, from its config.json alone."""
+    """TargetShape of the HF model directory (or Hub model id: dflash.target.resolve_target) `path`,
+    from its config.json alone."""
     from transformers import AutoConfig
 
-    path = Path(path)
+    from .target import resolve_target
+
+    path = resolve_target(path)
     if not (path / CONFIG_NAME).is_file():
         raise DrafterError(f"{path} is not a model directory (no {CONFIG_NAME}); pass the target's local directory")
     text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()

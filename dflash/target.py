@@ -182,6 +182,53 @@ def route_kernels_by_device(module: ModuleType) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Finding the target: a local directory, or a Hub model id
+# --------------------------------------------------------------------------------------------------
+# What a target needs from a Hub repository: config, tokenizer, chat template and safetensors weights
+# (never the .bin/.pt/.gguf copies some repositories also carry).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "\\" not in name
+
+
+def resolve_target(name) -> Path:
+    """--target as a directory: a local one as it is, or a Hub model id (org/name) resolved from the local
+    HF cache ($HF_HUB_CACHE, models--org--name/snapshots/<rev>/), offline, through huggingface_hub's
+    local-files-only snapshot lookup; when it is not cached and the network is allowed (HF_HUB_OFFLINE
+    unset), downloaded into that cache. The error says which of the two was tried and why each failed."""
+    import os
+
+    path = Path(name).expanduser()
+    if path.is_dir() or not _looks_like_hub_id(str(name)):
+        if not path.is_dir():
+            raise TargetError(f"--target {name}: no such directory, and not a Hub model id (org/name); pass the "
+                              "local directory with config.json, weights and tokenizer, or a model id like Qwen/Qwen3-8B")
+        return path
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(str(name), cache_dir=cache, local_files_only=True, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # LocalEntryNotFoundError, or a snapshot missing files
+        in_cache = f"the local HF cache {cache} ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    if offline:
+        raise TargetError(f"--target {name}: not a local directory and not in {in_cache}; downloading was not "
+                          "tried because HF_HUB_OFFLINE is set. Download it where the network allows "
+                          f"(huggingface-cli download {name}) into that cache, or pass a local directory")
+    try:
+        log.info("downloading %s into %s", name, cache)
+        return Path(snapshot_download(str(name), cache_dir=cache, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:
+        raise TargetError(f"--target {name}: not a local directory, not in {in_cache}, and downloading it failed "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the id, "
+                          "the network and HF_TOKEN for gated models, or pass a local directory") from None
+
+
+# --------------------------------------------------------------------------------------------------
 # The target
 # --------------------------------------------------------------------------------------------------
 def _resolve_mask_token(tokenizer, model_type: str, vocab_rows: int, mask_token) -> int:
@@ -240,10 +287,10 @@ class Target:
 
     @classmethod
     def load(cls, path, *, device="cpu", dtype=torch.float32, layer_ids=None, mask_token=None) -> "Target":
-        """Load model + tokenizer from a local HF directory (nothing is downloaded)."""
+        """Load model + tokenizer from a local HF directory or a Hub model id (see `resolve_target`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = Path(path)
+        path = resolve_target(path)
         if not (path / "config.json").is_file():
             raise TargetError(f"{path} is not a model directory (no config.json); pass the local directory "
                               "that holds config.json, the weights and the tokenizer files")
