@@ -21,6 +21,10 @@ from . import gpu
 from .errors import HostError
 
 OCI_MIN_PVE = Version("9.1")  # pve-container >= 6.0.15 restores OCI archives
+# ... and pve-storage's POST /nodes/NODE/storage/STORAGE/oci-registry-pull (9.1, commit 7744cf2 "api: add
+# storage/{storage}/oci-registry-pull method") pulls one from a registry: `skopeo copy docker://REF
+# oci-archive:DIR/NAME.tar` as root on the node, with skopeo's own trust and credentials.
+PULL_MIN_PVE = OCI_MIN_PVE
 DEV_MIN_PVE = Version("8.2")  # devN passthrough (pve-container >= 5.0.7)
 FEATURES = ("nesting", "keyctl", "fuse", "mknod", "mount", "force_rw_sys")
 
@@ -211,3 +215,17 @@ def render_raw_config(facts: HostFacts, devices: list[gpu.NvidiaDevice]) -> list
 
 def shell(argv: list[str]) -> str:
     return shlex.join(argv)
+
+
+def pull_filename(repository: str, tag: str, config_digest: str) -> str:
+    """The --filename for oci-registry-pull: PVE normalises it ([^a-zA-Z0-9_.-] -> _) and appends .tar.
+    It holds the image's config digest, so one name is one image: a second push of the same image finds
+    the file (PVE refuses to overwrite one) and another image never takes its name."""
+    name = f"{repository.rsplit('/', 1)[-1]}_{tag}_{config_digest.split(':')[-1][:12]}.oci"
+    return re.sub(r"[^a-zA-Z0-9_.-]", "_", name)
+
+
+def render_pull(node: str, storage: str, reference: str, filename: str) -> list[str]:
+    """`pvesh create` of the storage API's oci-registry-pull (PVE >= 9.1; reference: host/name:tag)."""
+    return ["pvesh", "create", f"/nodes/{node}/storage/{storage}/oci-registry-pull",
+            "--reference", reference, "--filename", filename]

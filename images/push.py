@@ -5,6 +5,11 @@
     -> [pct destroy with --replace] -> pct create -> pct set --devN -> raw lxc.* lines -> pct start
     -> ldconfig (host driver libraries) -> dflash doctor inside, through pct exec
 
+`--from-registry REF` (PVE >= 9.1): no export and no upload; the host pulls the published image itself
+through its storage API (`pvesh create /nodes/NODE/storage/STORAGE/oci-registry-pull`, which runs skopeo),
+after this machine has read the image's config from the registry for the same checks; on arrival the
+archive's config digest must be the one read here.
+
 `--dry-run` reads the host (read-only commands only) and prints every command and file it would send.
 """
 
@@ -18,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import export, proxmox, records, transfer
-from .errors import HostError, PushError
-from .imageinfo import ImageInfo, inspect_image
+from . import export, proxmox, records, registry, transfer
+from .errors import HostError, PushError, RegistryError
+from .imageinfo import ImageInfo, image_cuda, inspect_image
 
 EXTENSIONS = {"oci": ".oci.tar", "template": ".tar.zst"}
 
@@ -43,6 +48,8 @@ class PushOptions:
     doctor: str = "dflash doctor"
     pve_config_dir: str = "/etc/pve/lxc"
     bwlimit_mb_s: float | None = None  # upload cap, MB/s (10**6 bytes per second)
+    from_registry: str | None = None  # host/namespace/name:tag the host pulls itself (PVE >= 9.1)
+    ca_cert: str | None = None  # the registry's CA, for reading the image's config from here
     plan: dict = field(default_factory=dict)  # ContainerPlan fields other than ctid/template/fmt
 
 
@@ -61,29 +68,43 @@ def say(msg: str) -> None:
 
 def push(o: PushOptions) -> PushReport:
     report = PushReport()
-    info = inspect_image(o.image)
+    ref = registry.parse_reference(o.from_registry) if o.from_registry else None
+    info = registry_image(ref, o.ca_cert) if ref else inspect_image(o.image)
     with transfer.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
                           accept_new_host_key=o.accept_new_host_key, compress=o.compress) as host:
         facts = proxmox.gather_facts(host, o.plan.get("gpus", "all"))
-        fmt = o.format if o.format != "auto" else ("oci" if facts.pve >= proxmox.OCI_MIN_PVE else "template")
-        artifact = Path(o.out_dir) / f"{info.slug}{EXTENSIONS[fmt]}"
+        if ref:
+            if facts.pve < proxmox.PULL_MIN_PVE:
+                raise HostError(f"the host runs Proxmox VE {facts.pve}; pulling from a registry (oci-registry-pull) "
+                                f"needs PVE >= {proxmox.PULL_MIN_PVE}. Push without --from-registry (the image is "
+                                "exported here and sent over SSH).")
+            if o.format == "template":
+                raise HostError("--from-registry pulls an OCI archive; drop --format template.")
+        fmt = "oci" if ref else (o.format if o.format != "auto" else (
+            "oci" if facts.pve >= proxmox.OCI_MIN_PVE else "template"))
+        artifact = Path(o.out_dir) / (proxmox.pull_filename(ref.repository, ref.tag, info.id) + ".tar" if ref
+                                      else f"{info.slug}{EXTENSIONS[fmt]}")
         plan = proxmox.ContainerPlan(ctid=o.ctid, template=artifact.name, fmt=fmt, **o.plan)
         devices = proxmox.check_plan(plan, facts, info.cuda)
         say(f"host {host.hostname}: Proxmox VE {facts.pve}, {sum(d.gpu_index is not None for d in devices)} GPU(s) "
             f"passed through, format {fmt}" + (f", driver {facts.driver.text}" if facts.driver else ""))
 
-        record = _artifact(info, fmt, artifact, o, report)
+        template_dir = str(Path(host.run(["pvesm", "path", plan.volid]).stdout.strip()).parent)
+        if ref:
+            _pull(host, ref, info, plan, template_dir, o.dry_run, report)
+            record = {}
+        else:
+            record = _artifact(info, fmt, artifact, o, report)
         shadow = records.shadowing_libcuda(record) if devices else []
         if shadow:
             raise HostError(
                 f"the image ships its own libcuda ({', '.join(shadow)}) on its LD_LIBRARY_PATH; it would be loaded "
                 f"instead of the host driver's {facts.driver.text} libraries and fail with 'driver/library version "
                 "mismatch'. Remove it from the image (or from LD_LIBRARY_PATH) and export again.")
-        template_dir = str(Path(host.run(["pvesm", "path", plan.volid]).stdout.strip()).parent)
-        if o.dry_run:
+        if not ref and o.dry_run:
             say(f"would send {artifact} ({_size(record)}, sha256 {record.get('sha256', 'after export')}) "
                 f"to {host.hostname}:{template_dir}/{artifact.name}")
-        else:
+        elif not ref:
             r = transfer.send_file(host, artifact, template_dir, sha256=record["sha256"], force=o.force,
                                    bwlimit_mb_s=o.bwlimit_mb_s)
             say(f"{r.status}: {r.remote_path} ({r.bytes_sent / 1e6:.1f} MB at {r.rate_mb_s:.1f} MB/s)")
@@ -121,6 +142,64 @@ def push(o: PushOptions) -> PushReport:
                         f"container {plan.ctid} is up but `{o.doctor}` failed inside it (exit {result.rc}); its "
                         f"report is above. Inspect with: ssh {o.host} pct exec {plan.ctid} -- {doctor_hint(fmt, o.doctor)}")
     return report
+
+
+def registry_image(ref: registry.Reference, ca_cert: str | None) -> ImageInfo:
+    """What the published image's config says, read from the registry (no local image needed)."""
+    if ref.digest or not ref.tag:
+        raise RegistryError(f"--from-registry {ref}: the host's oci-registry-pull takes host/name:tag only (no "
+                            "@digest); give the tag `publish` printed.")
+    client = registry.Registry(ref.registry, registry.credentials(ref.registry),
+                               registry.trusted_ca(ref.registry, ca_cert))
+    client.ping()
+    manifest = client.manifest(ref.repository, ref.tag)
+    if manifest is None:
+        raise RegistryError(f"{ref} is not in the registry. Publish it first: make publish TARGET=... "
+                            f"REGISTRY={ref.registry}/{ref.repository.rsplit('/', 1)[0]}")
+    if not manifest.config_digest:
+        raise RegistryError(f"{ref} is an index ({manifest.media_type}); give the tag of one linux/amd64 image.")
+    cfg = json.loads(client.blob(ref.repository, manifest.config_digest)).get("config") or {}
+    env = list(cfg.get("Env") or [])
+    labels = dict(cfg.get("Labels") or {})
+    return ImageInfo(ref=str(ref), id=manifest.config_digest, tags=[str(ref)], labels=labels, env=env,
+                     entrypoint=list(cfg.get("Entrypoint") or []), cmd=list(cfg.get("Cmd") or []),
+                     workdir=cfg.get("WorkingDir") or "/", user=cfg.get("User") or "",
+                     cuda=image_cuda(labels, dict(e.split("=", 1) for e in env if "=" in e)))
+
+
+def _pull(host: transfer.SshHost, ref: registry.Reference, info: ImageInfo, plan: proxmox.ContainerPlan,
+          template_dir: str, dry_run: bool, report: PushReport) -> None:
+    """The host pulls `ref` into its template storage, unless the file of this very image is there."""
+    path = f"{template_dir}/{plan.template}"
+    if host.run(["test", "-f", path], check=False).rc == 0:
+        say(f"{host.hostname}:{path} is already there (its name holds the config digest)")
+        report.step("pull", reference=str(ref), path=path, reused=True)
+    else:
+        node = host.run("hostname", check=False).stdout.strip() or "localhost"
+        argv = proxmox.render_pull(node, plan.template_storage, f"{ref.name}:{ref.tag}",
+                                   plan.template.removesuffix(".tar"))
+        result = _run(host, argv, dry_run, report, check=False)
+        if result is None:
+            return
+        if result.rc != 0:
+            text = (result.stderr or result.stdout).strip()
+            fix = ("put the registry's CA in /etc/containers/certs.d/" + ref.registry + "/ca.crt on the host"
+                   if "x509" in text or "certificate" in text else
+                   f"log the host in (`skopeo login {ref.registry}` as root there)" if "unauthorized" in text
+                   or "authentication required" in text else "read skopeo's message above")
+            raise HostError(f"the host could not pull {ref} (exit {result.rc}): {text[-600:]}\nFix: {fix}.")
+    # Same image? The archive's config digest is the image ID read from the registry.
+    config = host.run(f"tar -xOf {shlex.quote(path)} index.json", check=False).stdout
+    try:
+        manifest_digest = json.loads(config)["manifests"][0]["digest"]
+        blob = host.run(f"tar -xOf {shlex.quote(path)} blobs/{manifest_digest.replace(':', '/')}").stdout
+        arrived = json.loads(blob)["config"]["digest"]
+    except (ValueError, KeyError, IndexError):
+        arrived = "unreadable"
+    if arrived != info.id:
+        raise HostError(f"{host.hostname}:{path} holds image {arrived[:19]}, not {info.id[:19]} (the tag moved "
+                        f"between the check and the pull?). Delete that file and push again.")
+    say(f"pulled {ref} on {host.hostname}: config digest {arrived[:19]} matches")
 
 
 def doctor_argv(fmt: str, info: ImageInfo, doctor: str) -> list[str]:
@@ -182,7 +261,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
                        accept_new_host_key=args.accept_new_host_key, compress=args.compress, force=args.force,
                        dry_run=args.dry_run, start=not args.no_start, doctor=args.doctor,
                        pve_config_dir=args.pve_config_dir, bwlimit_mb_s=args.bwlimit,
-                       plan=plan)
+                       from_registry=args.from_registry, ca_cert=args.ca_cert, plan=plan)
     report = push(opts)
     if args.json:
         print(json.dumps({"steps": report.steps, "doctor": report.doctor_output}, indent=2))
@@ -217,6 +296,10 @@ def register(subparsers) -> None:
                      help="trust and record an unknown host key (a changed key is still refused)")
     ssh.add_argument("--compress", action="store_true", help="SSH compression (helps on slow links only)")
     ssh.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
+    pull = p.add_argument_group("registry (PVE >= 9.1)")
+    pull.add_argument("--from-registry", metavar="REF",
+                      help="host/namespace/name:tag the host pulls itself (oci-registry-pull) instead of an upload")
+    pull.add_argument("--ca-cert", help="the registry's CA, for reading the image's config from this machine")
     ct = p.add_argument_group("container")
     ct.add_argument("--hostname", default="dflash-train")
     ct.add_argument("--cores", type=int, default=8)

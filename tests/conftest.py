@@ -1,8 +1,8 @@
 """Shared fixtures and the tier rules.
 
-Tiers are pytest markers (pyproject.toml): docker, nvcc, lxc, ssh, gpu, slow. A test of a tier whose
-tool is missing skips with the reason, except where DFLASH_REQUIRE names the tier (CI sets
-DFLASH_REQUIRE=docker,nvcc,lxc,ssh): there a missing tool fails the run instead of hiding it.
+Tiers are pytest markers (pyproject.toml): docker, nvcc, lxc, ssh, registry, gpu, slow. A test of a
+tier whose tool is missing skips with the reason, except where DFLASH_REQUIRE names the tier (CI sets
+DFLASH_REQUIRE=docker,nvcc,lxc,ssh,registry): there a missing tool fails the run instead of hiding it.
 
 The heavy artifacts (the cu130-sm120 wheel and the dflash-train image) are built once per run by the
 session fixtures below and shared by every test that needs them.
@@ -32,6 +32,8 @@ def _available(tier: str) -> tuple[bool, str]:
         return bool(shutil.which("lxc-start")) and os.geteuid() == 0, "needs Debian's lxc and root"
     if tier == "ssh":
         return bool(shutil.which("sshd") or Path("/usr/sbin/sshd").exists()), "needs OpenSSH's sshd"
+    if tier == "registry":
+        return Path("/usr/bin/docker-registry").exists(), "needs Debian's docker-registry (apt install docker-registry)"
     if tier == "gpu":
         try:
             import torch
@@ -46,7 +48,7 @@ _cache: dict[str, tuple[bool, str]] = {}
 
 
 def pytest_runtest_setup(item):
-    for tier in ("docker", "nvcc", "lxc", "ssh", "gpu"):
+    for tier in ("docker", "nvcc", "lxc", "ssh", "registry", "gpu"):
         if item.get_closest_marker(tier) is None:
             continue
         if tier not in _cache:
