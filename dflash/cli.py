@@ -22,9 +22,7 @@ clear message instead of a traceback and exits with its code.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from .config import add_arguments, from_args
 from .errors import ConfigError, DflashError
@@ -90,32 +88,22 @@ def eval_parser() -> argparse.ArgumentParser:
                    help="also evaluate the repeat-last-token guesser and an untrained drafter")
     p.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda', 'cuda:N'")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the target with its KV cache and GatedDeltaNet states, rolled back exactly after "
+                        "a rejected draft (a target without exact rollback runs uncached and says so); "
+                        "--no-cache re-runs the whole sequence at every step")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, output checked token for token against greedy decoding; > 0 = "
+                        "speculative sampling (lossless in distribution, not checked per run)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i) and the "
+                                                      "untrained-drafter baseline's initialisation")
     return p
 
 
 def _eval(argv) -> int:
-    from . import distributed
-    from .chat import load_chat_jsonl, prompt_ids
-    from .evaluate import evaluate, evaluate_baseline, format_results, load_for_eval
+    from .eval_run import run_eval
 
-    args = eval_parser().parse_args(argv)
-    if args.limit < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--limit and --max-new-tokens must be at least 1.")
-    target, drafter = load_for_eval(args.target, args.drafter, device=distributed.pick_device(args.device, 0))
-    if args.data:
-        conversations, _ = load_chat_jsonl(args.data)
-    else:
-        lines = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-        conversations = [[{"role": "user", "content": ln}] for ln in lines]
-    prompts = [prompt_ids(target.tokenizer, c) for c in conversations[: args.limit]]
-    if not prompts:
-        raise ConfigError(f"no prompt found in {args.data or args.prompts}; it needs at least one user turn.")
-    results = {"drafter": evaluate(target, drafter, prompts, args.max_new_tokens)}
-    if args.baselines:
-        for name, kind in (("untrained drafter", "untrained"), ("repeat last token", "repeat_last")):
-            results[name] = evaluate_baseline(target, prompts, args.max_new_tokens, kind=kind, config=drafter.config)
-    print(json.dumps(results, indent=2, default=str) if args.json else format_results(results))
-    return 0 if results["drafter"].get("lossless", True) else 1
+    return run_eval(eval_parser().parse_args(argv))
 
 
 def eval_main(argv: list[str] | None = None) -> int:
