@@ -11,9 +11,12 @@ PYTEST_ARGS ?=
 HOST    ?=
 CTID    ?=
 PUSH_ARGS ?=
+# host[:port]/namespace of an OCI registry for `make publish` (credentials: docker login or DFLASH_REGISTRY_*)
+REGISTRY ?=
+PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-eval bench-image bench-push push clean
+.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-eval bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -76,11 +79,22 @@ bench-image: engine  ## runtime vs builder image size, doctor wall time, contain
 bench-push: engine  ## export time, template size and SSH transfer throughput over loopback
 	$(PY) bench/bench_push.py
 
+bench-publish: engine  ## registry publish (first vs unchanged re-push) and push-docker vs docker save | ssh docker load
+	$(PY) bench/bench_publish.py --target $(TARGET)
+
 bench: bench-build bench-kernels bench-train bench-loss bench-image bench-push  ## all benchmarks
 
-push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS=--dry-run]
+push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS="--dry-run | --from-registry REF"]
 	@test -n "$(HOST)" -a -n "$(CTID)" || { echo 'usage: make push HOST=root@pve CTID=200 [TARGET=...] [PUSH_ARGS=--dry-run]'; exit 2; }
 	$(PY) -m images push --target $(TARGET) --host $(HOST) --ctid $(CTID) $(PUSH_ARGS)
+
+publish: venv  ## push dflash-train:$(TARGET) and its SBOM to a registry: make publish REGISTRY=ghcr.io/myorg [PUBLISH_ARGS=--ca-cert ca.pem]
+	@test -n "$(REGISTRY)" || { echo 'usage: make publish REGISTRY=host[:port]/namespace [TARGET=...] [PUBLISH_ARGS=--ca-cert FILE]'; exit 2; }
+	$(PY) -m images publish --target $(TARGET) --registry $(REGISTRY) $(PUBLISH_ARGS)
+
+push-docker: venv  ## stream the image to a Docker host over SSH and run its doctor: make push-docker HOST=user@gpu-box
+	@test -n "$(HOST)" || { echo 'usage: make push-docker HOST=user@gpu-box [TARGET=...] [PUSH_ARGS=--port 2222]'; exit 2; }
+	$(PY) -m images push-docker --target $(TARGET) --host $(HOST) $(PUSH_ARGS)
 
 test: venv engine  ## run every test tier this machine can run
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -219,7 +219,7 @@ def shell(argv: list[str]) -> str:
 
 def pull_filename(repository: str, tag: str, config_digest: str) -> str:
     """The --filename for oci-registry-pull: PVE normalises it ([^a-zA-Z0-9_.-] -> _) and appends .tar.
-    It holds the image's config digest, so one name is one image: a second push of the same image finds
+    It holds the image's config digest as published (the image ID), so one name is one image: a second push of the same image finds
     the file (PVE refuses to overwrite one) and another image never takes its name."""
     name = f"{repository.rsplit('/', 1)[-1]}_{tag}_{config_digest.split(':')[-1][:12]}.oci"
     return re.sub(r"[^a-zA-Z0-9_.-]", "_", name)

@@ -239,6 +239,8 @@ def publish(o: PublishOptions) -> PublishReport:
         # Layer counts from the first tag's push; the others only add a manifest to the same layers.
         counts = report if i == 0 else PublishReport(ref.name, [tag])
         digests.add(engine_push(ref.name, tag, creds, counts, o.progress))
+    for tag in tags:  # the registry names were only needed to push; the engine keeps the image as it was
+        engine().images.remove(f"{ref.name}:{tag}", noprune=True)
     if len(digests) != 1:
         raise RegistryError(f"the tags of one image got different digests ({', '.join(sorted(digests))}); "
                             "the registry rewrote a manifest. Inspect it with `skopeo inspect`.")

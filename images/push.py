@@ -69,7 +69,7 @@ def say(msg: str) -> None:
 def push(o: PushOptions) -> PushReport:
     report = PushReport()
     ref = registry.parse_reference(o.from_registry) if o.from_registry else None
-    info = registry_image(ref, o.ca_cert) if ref else inspect_image(o.image)
+    info, layers = registry_image(ref, o.ca_cert) if ref else (inspect_image(o.image), [])
     with transfer.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
                           accept_new_host_key=o.accept_new_host_key, compress=o.compress) as host:
         facts = proxmox.gather_facts(host, o.plan.get("gpus", "all"))
@@ -91,7 +91,7 @@ def push(o: PushOptions) -> PushReport:
 
         template_dir = str(Path(host.run(["pvesm", "path", plan.volid]).stdout.strip()).parent)
         if ref:
-            _pull(host, ref, info, plan, template_dir, o.dry_run, report)
+            _pull(host, ref, layers, plan, template_dir, o.dry_run, report)
             record = {}
         else:
             record = _artifact(info, fmt, artifact, o, report)
@@ -144,8 +144,9 @@ def push(o: PushOptions) -> PushReport:
     return report
 
 
-def registry_image(ref: registry.Reference, ca_cert: str | None) -> ImageInfo:
-    """What the published image's config says, read from the registry (no local image needed)."""
+def registry_image(ref: registry.Reference, ca_cert: str | None) -> tuple[ImageInfo, list[str]]:
+    """What the published image's config says, read from the registry (no local image needed), and its
+    layers' diff IDs (the sha256 of each uncompressed layer)."""
     if ref.digest or not ref.tag:
         raise RegistryError(f"--from-registry {ref}: the host's oci-registry-pull takes host/name:tag only (no "
                             "@digest); give the tag `publish` printed.")
@@ -158,16 +159,18 @@ def registry_image(ref: registry.Reference, ca_cert: str | None) -> ImageInfo:
                             f"REGISTRY={ref.registry}/{ref.repository.rsplit('/', 1)[0]}")
     if not manifest.config_digest:
         raise RegistryError(f"{ref} is an index ({manifest.media_type}); give the tag of one linux/amd64 image.")
-    cfg = json.loads(client.blob(ref.repository, manifest.config_digest)).get("config") or {}
+    whole = json.loads(client.blob(ref.repository, manifest.config_digest))
+    cfg = whole.get("config") or {}
     env = list(cfg.get("Env") or [])
     labels = dict(cfg.get("Labels") or {})
     return ImageInfo(ref=str(ref), id=manifest.config_digest, tags=[str(ref)], labels=labels, env=env,
                      entrypoint=list(cfg.get("Entrypoint") or []), cmd=list(cfg.get("Cmd") or []),
                      workdir=cfg.get("WorkingDir") or "/", user=cfg.get("User") or "",
-                     cuda=image_cuda(labels, dict(e.split("=", 1) for e in env if "=" in e)))
+                     cuda=image_cuda(labels, dict(e.split("=", 1) for e in env if "=" in e))), \
+        list((whole.get("rootfs") or {}).get("diff_ids") or [])
 
 
-def _pull(host: transfer.SshHost, ref: registry.Reference, info: ImageInfo, plan: proxmox.ContainerPlan,
+def _pull(host: transfer.SshHost, ref: registry.Reference, layers: list[str], plan: proxmox.ContainerPlan,
           template_dir: str, dry_run: bool, report: PushReport) -> None:
     """The host pulls `ref` into its template storage, unless the file of this very image is there."""
     path = f"{template_dir}/{plan.template}"
@@ -188,18 +191,23 @@ def _pull(host: transfer.SshHost, ref: registry.Reference, info: ImageInfo, plan
                    f"log the host in (`skopeo login {ref.registry}` as root there)" if "unauthorized" in text
                    or "authentication required" in text else "read skopeo's message above")
             raise HostError(f"the host could not pull {ref} (exit {result.rc}): {text[-600:]}\nFix: {fix}.")
-    # Same image? The archive's config digest is the image ID read from the registry.
-    config = host.run(f"tar -xOf {shlex.quote(path)} index.json", check=False).stdout
+    if dry_run:
+        return
+    # Same image? skopeo rewrites the config when it converts Docker media types to OCI (so its digest
+    # changes), but the diff IDs (sha256 of each uncompressed layer) it lists stay those read here.
+    def member(name: str) -> dict:
+        return json.loads(host.run(f"tar -xOf {shlex.quote(path)} {shlex.quote(name)}").stdout)
+
     try:
-        manifest_digest = json.loads(config)["manifests"][0]["digest"]
-        blob = host.run(f"tar -xOf {shlex.quote(path)} blobs/{manifest_digest.replace(':', '/')}").stdout
-        arrived = json.loads(blob)["config"]["digest"]
-    except (ValueError, KeyError, IndexError):
-        arrived = "unreadable"
-    if arrived != info.id:
-        raise HostError(f"{host.hostname}:{path} holds image {arrived[:19]}, not {info.id[:19]} (the tag moved "
-                        f"between the check and the pull?). Delete that file and push again.")
-    say(f"pulled {ref} on {host.hostname}: config digest {arrived[:19]} matches")
+        manifest = member(f"blobs/{member('index.json')['manifests'][0]['digest'].replace(':', '/')}")
+        arrived = member(f"blobs/{manifest['config']['digest'].replace(':', '/')}")["rootfs"]["diff_ids"]
+    except (ValueError, KeyError, IndexError, transfer.TransferError) as e:
+        raise HostError(f"{host.hostname}:{path} is not a readable OCI archive ({e}). Delete it and push again.") from None
+    if arrived != layers:
+        raise HostError(f"{host.hostname}:{path} holds other layers than {ref} has now ({len(arrived)} vs "
+                        f"{len(layers)}; the tag moved between the check and the pull?). Delete that file and "
+                        "push again.")
+    say(f"pulled {ref} on {host.hostname}: its {len(layers)} layer digests match the registry's")
 
 
 def doctor_argv(fmt: str, info: ImageInfo, doctor: str) -> list[str]:

@@ -136,13 +136,14 @@ def test_publish_tags_sbom_pull_back_and_no_layer_twice(reg, images_ab, docker_c
     from images.engine import client as engine
 
     e = engine()
-    e.images.remove(f"{reg.host}/team/dflash-train:cu130-sm120", force=False)
+    assert not [t for t in e.images.get(IMAGE_A).tags if t.startswith(reg.host)]  # publish leaves no extra tags
     pulled = e.images.pull(f"{reg.host}/team/dflash-train", tag="cu130-sm120",
                            auth_config={"username": reg.user, "password": reg.password})
     assert pulled.id == e.images.get(IMAGE_A).id
     out = e.containers.run(f"{reg.host}/team/dflash-train@{first.digest}", ["doctor", "--quick"],
                            network_mode="none", remove=True)
     assert b"doctor: all checks passed" in out
+    e.images.remove(f"{reg.host}/team/dflash-train:cu130-sm120", noprune=True)
     summary = publish.summary(first)
     assert f"docker pull {reg.host}/team/dflash-train@{first.digest}" in summary and "--gpus all" in summary
 
@@ -210,7 +211,6 @@ def test_real_image_publish_pull_back_run_its_doctor(reg, real_image, docker_con
     report = publish.publish(opts(reg, real_image, ns="e2e"))
     assert report.sbom, "the runtime image carries /opt/dflash/sbom.cdx.json"
     e = engine()
-    e.images.remove(f"{reg.host}/e2e/dflash-train:{report.tags[0]}")
     pulled = e.images.pull(f"{reg.host}/e2e/dflash-train@{report.digest}",
                            auth_config={"username": reg.user, "password": reg.password})
     assert pulled.id == e.images.get(real_image).id
