@@ -1,4 +1,4 @@
-"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,export,regenerate,doctor,healthcheck}`.
+"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,export,regenerate,report,doctor,healthcheck}`.
 
     dflash-train                                          the built-in demo, end to end (prints tau)
     dflash-train --target DIR --data FILE.jsonl --out DIR train a drafter (every option: --help)
@@ -9,6 +9,7 @@
     dflash export OLD_DIR NEW_DIR --target DIR            an older project drafter -> the reference layout
     dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl   responses by the target itself
     dflash regenerate --endpoint URL --model NAME --data IN.jsonl --out OUT.jsonl   ... by a vLLM/SGLang server
+    dflash report RUN_DIR                                 plots and a summary of a run (also written at its end)
     dflash doctor [...] / dflash healthcheck [...]        kernel report / the image's health check
 
 `dflash-train` is the image's entrypoint, so `docker run dflash-train doctor` must reach the doctor:
@@ -24,10 +25,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wheelbuilder.cliutil import DefaultsOnceHelpFormatter, add_version, project_version
+
 from .config import add_arguments, from_args
 from .errors import ConfigError, DflashError
 
-SUBCOMMANDS = ("train", "eval", "export", "regenerate", "doctor", "healthcheck")
+SUBCOMMANDS = ("train", "eval", "export", "regenerate", "report", "doctor", "healthcheck")
 
 
 def _guard(fn, argv) -> int:
@@ -51,6 +54,7 @@ def train_parser() -> argparse.ArgumentParser:
         epilog="Multi-GPU: torchrun --nproc-per-node N -m dflash.cli train [options]. Subcommands: "
                + ", ".join(SUBCOMMANDS) + " (e.g. dflash-train doctor).",
     )
+    add_version(parser)
     add_arguments(parser)
     return parser
 
@@ -73,7 +77,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
 # --- dflash-eval -----------------------------------------------------------------------------------
 def eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog="dflash-eval", formatter_class=DefaultsOnceHelpFormatter,
                                 description="Speculative decoding with a trained drafter: tau (accepted "
                                             "tokens per target verify step), tokens/s, losslessness.")
     p.add_argument("--target", required=True, help="local HF model dir of the target")
@@ -97,6 +101,7 @@ def eval_parser() -> argparse.ArgumentParser:
                         "speculative sampling (lossless in distribution, not checked per run)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i) and the "
                                                       "untrained-drafter baseline's initialisation")
+    add_version(p)
     return p
 
 
@@ -112,7 +117,7 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 # --- dflash export ---------------------------------------------------------------------------------
 def export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash export", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog="dflash export", formatter_class=DefaultsOnceHelpFormatter,
                                 description="Convert a drafter written by an older dflash-train (\"format\": "
                                             "\"dflash-drafter/1\") into the reference DFlash layout that vLLM "
                                             "and SGLang serve (README: Serving a trained drafter).")
@@ -124,6 +129,7 @@ def export_parser() -> argparse.ArgumentParser:
     layers.add_argument("--num-target-layers", type=int, help="the target's decoder layer count, when the "
                                                               "target is not at hand")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the written weights")
+    add_version(p)
     return p
 
 
@@ -143,7 +149,7 @@ def _export(argv) -> int:
 
 # --- dflash regenerate -----------------------------------------------------------------------------
 def regenerate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash regenerate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog="dflash regenerate", formatter_class=DefaultsOnceHelpFormatter,
                                 description="Replace the assistant turns of a chat JSONL with the target's "
                                             "own responses (DFlash trains best on the target's outputs): "
                                             "in this process (--target, the demo and small sets) or through "
@@ -177,6 +183,7 @@ def regenerate_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-failures-in-a-row", type=int, default=50, help="stop after this many "
                         "conversations fail one after another (the server is down); 0 = never")
     server.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
+    add_version(p)
     return p
 
 
@@ -199,6 +206,24 @@ def _regenerate(argv) -> int:
     return summary.exit_code
 
 
+# --- dflash report ---------------------------------------------------------------------------------
+def report_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash report", description="Plots (loss, per-position acceptance, tau, "
+                                "throughput) and a Markdown summary of a dflash-train run, from its metrics.jsonl, "
+                                "into RUN_DIR/report. Every run writes them at its end; this writes them again, "
+                                "also while the run goes on.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the --out dir of a dflash-train run")
+    add_version(p)
+    return p
+
+
+def _report(argv) -> int:
+    from .report import write_report
+
+    print(f"wrote {write_report(report_parser().parse_args(argv).run_dir)}")
+    return 0
+
+
 # --- dflash ----------------------------------------------------------------------------------------
 # The subcommands of the doctor package: imported lazily, they must work without a GPU.
 DOCTOR_COMMANDS = {"doctor": "dflash.doctor.run", "healthcheck": "dflash.doctor.healthcheck",
@@ -213,18 +238,22 @@ def _delegate(command: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    usage = ("usage: dflash {train,eval,export,regenerate,doctor,healthcheck} [options]\n"
+    usage = ("usage: dflash {train,eval,export,regenerate,report,doctor,healthcheck} [options]\n"
              "  train       train a drafter (dflash-train; no options: the built-in demo)\n"
              "  eval        tau, tokens/s and losslessness of a trained drafter (dflash-eval)\n"
              "  export      convert an older project drafter into the reference DFlash layout\n"
              "  regenerate  rewrite a chat JSONL's answers with the target's own responses\n"
+             "  report      plots and a summary of a training run (RUN_DIR/report)\n"
              "  doctor      report the GatedDeltaNet kernels, versions and arch coverage\n"
              "  healthcheck the container health check (cached doctor verdict + trainer heartbeat)\n"
              "  entrypoint  the dflash-train image's entrypoint (background doctor, then the command)\n"
-             "Each subcommand takes --help.")
+             "Each subcommand takes --help; --version prints the version.")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"dflash {project_version()}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         return _guard(_train, rest)
@@ -234,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         return _guard(_export, rest)
     if cmd == "regenerate":
         return _guard(_regenerate, rest)
+    if cmd == "report":
+        return _guard(_report, rest)
     if cmd in DOCTOR_COMMANDS:
         return _delegate(cmd, rest)
     print(f"error: unknown command '{cmd}'.\n{usage}", file=sys.stderr)

@@ -80,11 +80,13 @@ class RunMonitor:
         m = {"step": t.step, **evaluate_split(self.config, t.drafter, t.target, self.eval_items, self.d,
                                                t.pad_id, t.autocast_dtype)}
         if self.config.eval_tau_prompts and self.d.is_main:
-            m.update(measured_tau(self.config, t.drafter, t.target, self.eval_items, t.autocast_dtype))
+            m.update(measured_tau(self.config, t.drafter, t.target, self.eval_items, t.pad_id,
+                                  t.autocast_dtype))
         m["eval_s"] = round(time.perf_counter() - start, 2)
         self._write(m, "eval")
         if self.d.is_main:
-            measured = f" tau {m['tau']:.2f} on {m['tau_prompts']} prompts" if "tau" in m else ""
+            measured = (f" tau {m['tau']:.2f} (replayed {m['tau_replay']:.2f}) on {m['tau_prompts']} prompts"
+                        if "tau" in m else "")
             log.info("eval step %d loss %.4f acc %.3f tau_est %.2f%s accept/pos %s", t.step, m["loss"], m["acc"],
                      m["tau_est"], measured, " ".join(f"{a:.2f}" for a in m["accept_per_pos"]))
         self.last_eval = t.step

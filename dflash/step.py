@@ -39,6 +39,7 @@ class StepSums:
     anchors: torch.Tensor   # [] float32: valid anchors (blocks) of the micro-batch
     accepted: torch.Tensor  # [bs-1] float32: blocks whose positions 1..k are all valid and correct
     reached: torch.Tensor   # [bs-1] float32: blocks whose positions 1..k-1 are correct and k is valid
+    block_correct: torch.Tensor | None = None  # [B,N,bs-1] bool, per block (only with keep_correct=True)
 
     def detached(self) -> "StepSums":
         return StepSums(*(t.detach() for t in (self.loss_sum, self.weight, self.correct, self.valid,
@@ -90,13 +91,14 @@ def summarize(totals: torch.Tensor, block_size: int, grad_norm: torch.Tensor | N
 
 def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: list[torch.Tensor], *,
                      block_size: int, gamma: float | None, autocast_dtype: torch.dtype,
-                     mark: Callable[[str], None] | None = None) -> StepSums:
+                     mark: Callable[[str], None] | None = None, keep_correct: bool = False) -> StepSums:
     """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
 
     batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate); anchors: one
     sorted [n_b] position tensor per row (dflash.blocks.sample_anchors). `drafter` may be the DDP
     wrapper. `mark(phase)` is called after "target forward" and after "drafter forward" (a benchmark
-    synchronises and reads its clock there; training passes None).
+    synchronises and reads its clock there; training passes None). keep_correct also returns the
+    per-block correct mask (dflash.train_eval's replay of greedy verification).
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     blocks = build_blocks(ids, loss_mask * attn, anchors, block_size, target.mask_token_id)
@@ -118,7 +120,8 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
     accepted, reached = acceptance_sums(correct, blocks.label_valid)
     return StepSums(loss_sum=loss_sum, weight=weight, correct=correct.sum((0, 1)).float(),
                     valid=blocks.label_valid.sum((0, 1)).float(), tokens=attn.sum().float(),
-                    anchors=blocks.anchor_valid.sum().float(), accepted=accepted, reached=reached)
+                    anchors=blocks.anchor_valid.sum().float(), accepted=accepted, reached=reached,
+                    block_correct=correct.bool() if keep_correct else None)
 
 
 def backward(sums: StepSums, d: distributed.Dist, grad_accum: int) -> None:

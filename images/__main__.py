@@ -17,6 +17,7 @@ import argparse
 import importlib
 import sys
 
+from wheelbuilder.cliutil import DefaultsOnceHelpFormatter, add_version
 from wheelbuilder.errors import run_cli
 
 # Modules that add their own subcommands through `register(subparsers)`.
@@ -27,10 +28,11 @@ SUBCOMMAND_MODULES = ("images.build", "images.pins", "images.export", "images.pu
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m images", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(p, "dflash-images")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("engine", help="make sure a Docker engine with BuildKit runs (starts one as root)")
     e.set_defaults(func=_engine)
-    b = sub.add_parser("base", help="bootstrap the offline Debian base image", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b = sub.add_parser("base", help="bootstrap the offline Debian base image", formatter_class=DefaultsOnceHelpFormatter)
     b.add_argument("--tag", default="dflash-base:bookworm", help="image tag to create")
     b.add_argument("--suite", default="bookworm", help="Debian suite")
     b.add_argument("--mirror", default=None, help="Debian mirror (default: $DEBIAN_MIRROR or deb.debian.org)")

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from . import targets as tg
+from .cliutil import DefaultsOnceHelpFormatter, add_version
 from .errors import FatalError, run_cli
 from .fsutil import DIST_WHEELS, REPO_ROOT
 
@@ -23,12 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wheelbuilder", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets-file", type=Path, default=tg.DEFAULT_TARGETS_FILE, help="targets file (default: %(default)s)")
+    add_version(p)
     sub = p.add_subparsers(dest="command", required=True)
 
     sub.add_parser("list", help="list the targets with their pins").add_argument("--json", action="store_true", help="print JSON")
 
     b = sub.add_parser("build", help="build a target's wheels natively (needs nvcc and the target's torch here)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsOnceHelpFormatter)
     b.add_argument("--target", default=None, help="target name from targets.toml (default: its default_target)")
     b.add_argument("--arch", default=None, help="override the target's arches, e.g. 9.0,12.0+PTX")
     b.add_argument("--python", default=None,
