@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-eval bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-data bench-eval bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -70,6 +70,10 @@ bench-loss: venv  ## the full-logits loss vs the chunked LM head: step time and 
 
 # the drafter bench-eval times (default: where the built-in demo, `dflash-train`, writes it)
 DRAFTER ?= runs/dflash/drafter
+bench-data: venv  ## data: conversations/s tokenised on 1 and N processes (100k), second start's time to first step; regeneration requests/s
+	$(PY) bench/bench_data.py
+	$(PY) bench/bench_regenerate.py
+
 bench-eval: venv  ## speculative vs greedy decoding, target cache on and off (demo target, DRAFTER=dir)
 	$(PY) bench/bench_eval.py --drafter $(DRAFTER)
 
