@@ -92,9 +92,9 @@ def save_checkpoint(root: Path, *, step: int, drafter, optimizer, scheduler, tra
         atomic_write(root / "latest", final.name + "\n")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # RuntimeError: torch's and safetensors' writers on a full disk
         raise CheckpointError(
-            f"writing checkpoint {final} failed: {exc}. The previous checkpoint is intact"
+            f"writing checkpoint {final} failed: {type(exc).__name__}: {exc}. The previous checkpoint is intact"
             f" ({read_latest(root) or 'none yet'}). Free disk space or point --out at a larger disk, then "
             "rerun with --resume."
         ) from exc
@@ -138,12 +138,32 @@ def read_latest(root: Path) -> str | None:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The checkpoint `root/latest` names, or (no `latest` yet: a crash between the rename and it) the
+    newest complete one, or None. A `latest` naming a missing or incomplete checkpoint is an error, not
+    a silent step back to an older one."""
     name = read_latest(root)
-    if name and (root / name / STATE_FILE).exists():
-        return root / name
     done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).exists())
+    if name:
+        if (root / name / STATE_FILE).exists() and "/" not in name and name not in ("..", "."):
+            return root / name
+        others = ", ".join(p.name for p in done) or "none"
+        raise CheckpointError(
+            f"{root / 'latest'} names {name[:80]!r}, which is not a complete checkpoint in {root} (complete: "
+            f"{others}). Write the one to resume from into it (e.g. echo {done[-1].name if done else 'step-N'} > "
+            f"{root / 'latest'}), or start a new run without --resume.")
     return done[-1] if done else None
+
+
+def load_weights(checkpoint: Path, load_file, device: str = "cpu") -> dict:
+    """The drafter's weights of a checkpoint via safetensors' `load_file`; a damaged file is a
+    CheckpointError naming it (safetensors raises its own error type, not OSError)."""
+    path = checkpoint / "drafter" / "model.safetensors"
+    try:
+        return load_file(str(path), device=device)
+    except Exception as exc:  # SafetensorError, OSError, a truncated header
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}. The file is damaged; delete "
+                              f"{checkpoint} and point {checkpoint.parent / 'latest'} at an older checkpoint, "
+                              "or start a new run without --resume.") from None
 
 
 def load_state(checkpoint: Path, map_location="cpu") -> dict:
@@ -153,6 +173,9 @@ def load_state(checkpoint: Path, map_location="cpu") -> dict:
     except Exception as exc:  # a truncated or foreign file: name it and the way out
         raise CheckpointError(f"cannot load {checkpoint / STATE_FILE}: {exc}. Delete {checkpoint} to resume "
                               "from an older checkpoint, or start a new run without --resume.") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{checkpoint / STATE_FILE} holds {type(state).__name__}, not a trainer state; "
+                              "start a new run without --resume.")
     if state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{checkpoint} has checkpoint format {state.get('format')}, this trainer "
                               f"reads format {FORMAT_VERSION}. Start a new run without --resume.")

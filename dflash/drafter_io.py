@@ -255,10 +255,13 @@ def _stored_tensors(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]
 
     found = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                found[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    found[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as exc:  # SafetensorError (a truncated or foreign file) is not an OSError
+            raise DrafterError(f"{path} is damaged: {type(exc).__name__}: {exc}; copy or write it again") from None
     return found
 
 

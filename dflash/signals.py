@@ -45,5 +45,6 @@ class StopFlag:
 
     @property
     def exit_code(self) -> int:
-        """130 after Ctrl-C (the shell's convention for SIGINT), 0 after SIGTERM or a request."""
-        return 130 if self.reason == "SIGINT" else 0
+        """128 + the signal after one (130 Ctrl-C, 143 SIGTERM: a scheduler or `docker stop` can tell the
+        run was stopped, not finished; the checkpoint is written either way), 0 after a request."""
+        return {"SIGINT": 130, "SIGTERM": 143}.get(self.reason or "", 0)

@@ -30,8 +30,9 @@ from .blocks import anchor_seed, sample_anchors
 from .config import TrainConfig
 from .data import DataOrder, data_fingerprint, load_items
 from .doctor.heartbeat import Heartbeat
-from .errors import CheckpointError, ConfigError, TrainError
+from .errors import CheckpointError, ConfigError, DflashError, TrainError
 from .losses import LOSS_CHUNK_ROWS
+from .precheck import check_before_loading
 from .schedule import lr_lambda
 from .signals import StopFlag
 from .train_eval import eval_split
@@ -139,7 +140,7 @@ class Trainer:
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
         from safetensors.torch import load_file
 
-        self.drafter.load_state_dict(load_file(last / "drafter" / "model.safetensors", device=str(self.d.device)))
+        self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
         state = ckpt.load_state(last, map_location=self.d.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -359,6 +360,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     stop = StopFlag().install() if handle_signals else StopFlag()
     try:
         attention_impl(config, d.device)  # a bad --attention fails before the target loads
+        check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
         if target is None:
             target = load_target(config, d.device)
         if items is None:
@@ -373,5 +375,8 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
                  trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
                  trainer.drafter.attention)
         return trainer.run()
+    except DflashError as exc:  # also in train.log, where a run's story is read afterwards
+        log.error("stopped: %s", exc)
+        raise
     finally:
         stop.uninstall()

@@ -138,7 +138,7 @@ def _run_until_first_step(argv: list[str], out: Path, env: dict) -> subprocess.P
     return proc
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_finishes_the_step_and_checkpoints(tiny, tmp_path, sig, code):
     target, data = tiny
     out = tmp_path / "run"
