@@ -61,13 +61,15 @@ def main() -> int:
                 before = reg.uploads()
                 t0 = time.monotonic()
                 r = publish.publish(o)
-                rows.append((label, time.monotonic() - t0, r.bytes_pushed, f"{r.layers_pushed} layers sent, "
-                             f"{r.layers_existing} existed, {reg.uploads() - before} blob uploads"))
+                sent = r.image_bytes if r.layers_pushed else 0  # all layers or none: wire bytes = compressed size
+                rows.append((label, time.monotonic() - t0, sent, f"{r.layers_pushed} layers sent "
+                             f"({r.bytes_pushed / 1e6:.1f} MB before gzip), {r.layers_existing} existed, "
+                             f"{reg.uploads() - before} blob uploads"))
             far = docker.DockerClient(base_url=far_host, timeout=3600)
             t0 = time.monotonic()
             far.images.pull(f"{reg.host}/bench/dflash-train@{r.digest}",
                             auth_config={"username": reg.user, "password": reg.password})
-            rows.append(("pull into an empty engine", time.monotonic() - t0, r.bytes_pushed, ""))
+            rows.append(("pull into an empty engine", time.monotonic() - t0, r.image_bytes, "gzip layers + config"))
             far_rmi(far_host, f"{reg.host}/bench/dflash-train@{r.digest}")
 
             opts = push_docker.PushDockerOptions(host=server.target, image=image, out_dir=work / "dist",

@@ -57,7 +57,8 @@ class PublishReport:
     digest: str = ""
     layers_pushed: int = 0
     layers_existing: int = 0
-    bytes_pushed: int = 0  # layer bytes the engine sent (compressed)
+    bytes_pushed: int = 0  # layer bytes the engine pushed, as its progress counts them (uncompressed tar)
+    image_bytes: int = 0  # the image in the registry: compressed layers + config (the manifest's sizes)
     seconds: float = 0.0
     sbom: dict = field(default_factory=dict)
 
@@ -246,18 +247,20 @@ def publish(o: PublishOptions) -> PublishReport:
                             "the registry rewrote a manifest. Inspect it with `skopeo inspect`.")
     report.digest = digests.pop()
     report.seconds = time.monotonic() - t0
+    image = client.manifest(ref.repository, report.digest)
+    report.image_bytes = sum(x["size"] for x in image.json.get("layers", [])) + image.json["config"]["size"]
     sbom = read_sbom(info)
     if sbom is None:
         say(f"{o.image} has no {SBOM_LABEL} label (built before the SBOM step): nothing attached")
     else:
-        image = client.manifest(ref.repository, report.digest)
         report.sbom = push_sbom(client, ref.repository, info, image, sbom, f"{tags[0]}.sbom")
     return report
 
 
 def summary(report: PublishReport) -> str:
     lines = [f"pushed {report.repository}:{report.tags[0]} in {report.seconds:.1f} s: {report.layers_pushed} layer(s) "
-             f"sent ({report.bytes_pushed / 1e6:.1f} MB), {report.layers_existing} already there",
+             f"sent ({report.bytes_pushed / 1e6:.1f} MB before compression), {report.layers_existing} already there; "
+             f"{report.image_bytes / 1e6:.1f} MB in the registry",
              f"digest: {report.digest}"]
     if report.sbom:
         lines.append(f"sbom:   {report.repository}:{report.sbom['tag']} ({report.sbom['digest'][:19]}, referrer of "
