@@ -14,7 +14,8 @@ Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized b
      block embeddings), drafter forward (+ head + loss), drafter backward (+ clip), optimizer step;
   3. model FLOPs utilisation (GPU): the step's model FLOPs (below) per second of the training loop,
      over a bf16 matmul peak measured in the same run (8192^3 products on random data).
-Model FLOPs of one step (the useful work; recomputation and masked-out attention do not count):
+Model FLOPs of one step (dflash/flops.py, shared with the trainer's MFU; the useful work: recomputation
+and masked-out attention do not count):
   target forward  2 x (decoder-layer parameters) x tokens + 4 x head_dim x heads x (causal query-key
                   pairs) per full-attention layer (the GatedDeltaNet recurrences, under 1 %, are left out)
   drafter         3 x forward: 2 x parameters x the rows each matrix sees (q/o/MLP: block rows; k/v:
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.bench_kernels import timed  # noqa: E402
-from dflash import distributed  # noqa: E402
+from dflash import distributed, flops  # noqa: E402
 from dflash.blocks import anchor_seed, build_blocks, sample_anchors  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.masks import drafter_attention_mask  # noqa: E402
@@ -117,29 +118,19 @@ def matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
 
 
 def model_flops(target, dcfg: DrafterConfig, input_ids, attention_mask, blocks) -> dict:
-    """Model FLOPs of one micro-batch step, by part (formulas in the module docstring)."""
-    cfg = target.config
-    B, T = input_ids.shape
-    tokens = int(attention_mask.sum())
-    layer_params = sum(p.numel() for p in target._layers.parameters())
-    n_full = sum(1 for t in getattr(cfg, "layer_types", None) or ["full_attention"] * target.num_layers
-                 if t == "full_attention")
-    lengths = attention_mask.sum(1).double()
-    causal_pairs = float((lengths * (lengths + 1) / 2).sum())
-    head_dim = int(getattr(cfg, "head_dim", None) or target.hidden_size // cfg.num_attention_heads)
-    target_f = 2 * layer_params * tokens + 4 * head_dim * cfg.num_attention_heads * causal_pairs * n_full
-
-    H, bs = dcfg.hidden_size, dcfg.block_size
+    """Model FLOPs of one micro-batch step, by part (dflash.flops: the formulas the trainer's MFU uses),
+    with the drafter's visible query-key pairs counted exactly from its dense mask."""
+    T = input_ids.shape[1]
+    lengths = [int(n) for n in attention_mask.sum(1).tolist()]
+    tokens = sum(lengths)
+    target_f = flops.target_forward_flops(target, lengths)
+    bs = dcfg.block_size
     rows = int(blocks.anchor_valid.sum()) * bs
-    q_o_mlp = 2 * H * dcfg.num_attention_heads * dcfg.head_dim + 3 * H * dcfg.intermediate_size
-    k_v = 2 * H * dcfg.num_key_value_heads * dcfg.head_dim
     mask = drafter_attention_mask(blocks.anchors, T, bs, attention_mask.bool(), blocks.anchor_valid)
     valid_rows = blocks.anchor_valid.repeat_interleave(bs, dim=1)
     pairs = float(mask[valid_rows].sum())
-    per_layer = 2 * q_o_mlp * rows + 2 * k_v * (tokens + rows) + 4 * dcfg.head_dim * dcfg.num_attention_heads * pairs
-    drafter_f = 3 * (dcfg.num_hidden_layers * per_layer + 2 * len(dcfg.target_layer_ids) * H * H * tokens)
-    scored = int(blocks.label_valid.sum())
-    head_f = 4 * H * dcfg.vocab_size * scored
+    drafter_f = flops.drafter_flops(dcfg, tokens, rows, pairs)
+    head_f = flops.head_flops(dcfg, int(blocks.label_valid.sum()))
     dense_pairs = rows * (T + blocks.anchors.shape[1] * bs)
     return {"target_forward": target_f, "drafter": drafter_f, "lm_head": head_f,
             "total": target_f + drafter_f + head_f, "tokens": tokens,

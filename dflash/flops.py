@@ -70,9 +70,11 @@ class StepFlops:
         window_pairs = drafter_pairs(positions, bs, self.dcfg.sliding_window) if sliding else full_pairs
         n = max(1, self.dcfg.num_hidden_layers)
         pairs = (sliding * window_pairs + (n - sliding) * full_pairs) / n
+        # scored rows: block positions a+1..a+bs-1 inside the sequence with a supervised label
+        scored = sum(int(it["loss_mask"][a + 1:a + bs].sum()) for it, t in zip(items, anchors) for a in t.tolist())
         return (target_forward_flops(self.target, lengths)
                 + drafter_flops(self.dcfg, sum(lengths), len(positions) * bs, pairs)
-                + head_flops(self.dcfg, len(positions) * (bs - 1)))
+                + head_flops(self.dcfg, scored))
 
 
 def peak_flops(device: torch.device) -> float | None:
