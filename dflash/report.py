@@ -71,12 +71,12 @@ def _plot_loss(ax, train, evals):
 def _plot_acceptance(ax, train, evals):
     records = evals or train
     picks = sorted({0, len(records) // 2, len(records) - 1}) if records else []
-    for i in picks:
+    for color, i in zip(("tab:blue", "tab:orange", "tab:green"), picks):
         r = records[i]
         for key, style in (("accept_per_pos", "o-"), ("acc_per_pos", "x:")):
             if r.get(key):
                 name = "a_k" if key == "accept_per_pos" else "accuracy"
-                ax.plot(range(1, len(r[key]) + 1), r[key], style, label=f"{name}, step {r['step']}")
+                ax.plot(range(1, len(r[key]) + 1), r[key], style, color=color, label=f"{name}, step {r['step']}")
     ax.set(xlabel="block position k", ylabel="rate", ylim=(0, 1.02),
            title=f"Per-position acceptance ({'eval' if evals else 'train'})")
 
