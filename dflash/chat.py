@@ -165,6 +165,8 @@ def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], Dat
             if not raw.strip():
                 continue
             report.n_read += 1
+            if lineno == 1:  # a UTF-8 BOM (Windows editors) is not part of the first conversation
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             try:
                 conversations.append(parse_conversation(json.loads(raw.decode("utf-8"))))
                 report.n_kept += 1
@@ -173,8 +175,12 @@ def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], Dat
                           "bad_json" if isinstance(exc, json.JSONDecodeError) else "bad_conversation")
                 detail = f"{path}:{lineno}: {exc}"
                 if on_error == "stop":
-                    raise DataError(f"{detail}; fix or delete that line, or load with on_error='skip'") from None
+                    raise DataError(f"{detail}; fix or delete that line, or skip bad lines (--on-bad-line skip, "
+                                    "on_error='skip')") from None
                 report.skip(reason, detail)
+    if report.n_read == 0:
+        raise DataError(f"{path} is empty (no conversation on any line); pass a JSONL file with one "
+                        '{"messages": [...]} conversation per line')
     if report.n_skipped:
         log.warning("%s; first problems: %s", report.summary(), "; ".join(report.examples))
     return conversations, report

@@ -163,12 +163,20 @@ def _open_elf(source: Path | str | BinaryIO, where: str) -> ELFFile:
 def _with_elf(source: Path | str | BinaryIO, fn):
     """Run fn(elf) on a path or an open binary stream, closing only what we opened."""
     where = getattr(source, "name", None) or str(source)
+
+    def guarded(stream):
+        try:
+            return fn(_open_elf(stream, where), where)
+        except (ELFError, struct.error, EOFError, ValueError) as e:  # a header pointing past the end, ...
+            raise AuditError(f"{where} is a damaged ELF file ({type(e).__name__}: {e}); it was truncated or "
+                             "altered after the build: rebuild or copy it again.") from None
+
     if hasattr(source, "read"):
-        return fn(_open_elf(source, where), where)
+        return guarded(source)
     if not Path(source).is_file():
         raise AuditError(f"{source} does not exist or is not a file; give the path of a compiled .so or .o.")
     with open(source, "rb") as f:
-        return fn(_open_elf(f, where), where)
+        return guarded(f)
 
 
 def read_fatbin(path: Path | str | BinaryIO) -> list[FatbinEntry]:

@@ -261,6 +261,16 @@ def load(path: Path | str | None = None) -> Catalog:
     """Load and validate targets.toml; every error names the table and key at fault."""
     path = Path(path or DEFAULT_TARGETS_FILE)
     try:
+        return _load(path)
+    except (TypeError, AttributeError, KeyError, ValueError) as e:  # a value of the wrong type or shape
+        raise ConfigurationError(
+            f"{path}: a table or value has the wrong type or misses a key ({type(e).__name__}: {e}). Compare the "
+            "file with the layout in the repository's targets.toml (tables of strings, lists of strings)."
+        ) from None
+
+
+def _load(path: Path) -> Catalog:
+    try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigurationError(f"targets file {path} does not exist.") from None
