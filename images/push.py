@@ -8,7 +8,7 @@
 `--from-registry REF` (PVE >= 9.1): no export and no upload; the host pulls the published image itself
 through its storage API (`pvesh create /nodes/NODE/storage/STORAGE/oci-registry-pull`, which runs skopeo),
 after this machine has read the image's config from the registry for the same checks; on arrival the
-archive's config digest must be the one read here.
+archive's layer diff IDs must be the ones read here.
 
 `--dry-run` reads the host (read-only commands only) and prints every command and file it would send.
 """
