@@ -216,6 +216,7 @@ def test_real_image_publish_pull_back_run_its_doctor(reg, real_image, docker_con
     assert pulled.id == e.images.get(real_image).id
     out = e.containers.run(pulled.id, ["doctor", "--quick"], network_mode="none", remove=True)
     assert b"FAIL" not in out
+    e.images.remove(f"{reg.host}/e2e/dflash-train@{report.digest}", noprune=True)  # the pull's digest name
     bom = json.loads(client(reg).blob("e2e/dflash-train", client(reg).manifest(
         "e2e/dflash-train", f"{report.tags[0]}.sbom").json["layers"][0]["digest"]))
     wheel = [c for c in bom["components"] if any(p["name"] == "dflash:wheel" for p in c["properties"])]
