@@ -60,7 +60,7 @@ class RunMonitor:
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         m["tokens_per_s"] = round(self.window_tokens / elapsed, 1)
         if self.peak:
-            m["mfu"] = round(self.window_flops / elapsed / self.peak, 4)
+            m["mfu"] = float(f"{self.window_flops / elapsed / self.peak:.4g}")  # 4 significant digits
         if self.cuda:
             m["gpu_mem_gib"] = round(torch.cuda.max_memory_allocated(self.d.device) / 2**30, 3)
             torch.cuda.reset_peak_memory_stats(self.d.device)
