@@ -27,3 +27,17 @@ def test_scaling_benchmark_on_two_gloo_processes(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in result["runs"])
     assert result["loss_check"]["max_rel_loss_diff"] < 1e-5
     assert "efficiency" in run.stdout and "loss check: 2 processes vs one" in run.stdout
+
+
+@pytest.mark.slow  # a tokenizer, a tiny target and two one-step training runs: ~30 s on 2 cores
+def test_data_benchmark_at_toy_size(tmp_path):
+    """bench_data.py on 300 conversations: rates for 1 and 2 processes, and the second start reads the cache
+    (its time to first step below the cold one)."""
+    out = tmp_path / "data.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_data.py"), "--conversations", "300",
+                          "--procs", "1,2", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["procs"] for r in result["tokenise"]] == [1, 2]
+    assert all(r["kept"] == 300 and r["conversations_per_s"] > 0 for r in result["tokenise"])
+    assert result["first_step_s"]["second_start"] < result["first_step_s"]["cold_cache"]
