@@ -5,6 +5,7 @@
     python -m wheelbuilder audit --target cu130-sm120 dist/wheels/cu130-sm120/*.whl
     python -m wheelbuilder lock [--target cu128-sm120-torch2.11]
     python -m wheelbuilder prepare-toolkit      (inside the builder stage: pip CUDA layout -> CUDA_HOME)
+    python -m wheelbuilder diff A.whl B.whl     (why two wheels or ELF files differ: sections, symbols)
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="lock this target's torch, also from a non-PyPI index (default: every PyPI torch and dev)")
 
     sub.add_parser("prepare-toolkit", help="make NVIDIA's pip CUDA wheels usable as CUDA_HOME and print it")
+
+    d = sub.add_parser("diff", help="explain how two wheels or ELF files differ (exit 1 when they do)")
+    d.add_argument("a", type=Path, help="first wheel or ELF file")
+    d.add_argument("b", type=Path, help="second wheel or ELF file")
     return p
 
 
@@ -117,6 +122,15 @@ def main_inner(argv: list[str] | None = None) -> int:
         for path in lock_all(catalog, args.only, args.target):
             print(f"wrote {path.relative_to(REPO_ROOT)}")
         return 0
+    if args.command == "diff":
+        from .elfdiff import explain
+
+        for path in (args.a, args.b):
+            if not path.is_file():
+                raise FatalError(f"{path}: no such file")
+        lines = explain(args.a, args.b)
+        print("\n".join(lines) if lines else f"{args.a} and {args.b} are identical")
+        return 1 if lines else 0
     if args.command == "prepare-toolkit":
         from .toolkit import find_cuda_home, pip_cuda_home, prepare_pip_cuda_home
 

@@ -92,6 +92,19 @@ class _Progress:
         self.bar.close()
 
 
+def nvcc_fixed_flags(recipe: Recipe) -> list[str]:
+    """nvcc flags that take process ids out of the objects (README "Reproducibility").
+
+    -objtemp names nvcc's intermediate files after the object instead of tmpxft_<pid>_..., whose pid
+    otherwise lands in .nv_fatbin. -frandom-seed replaces the process id of nvcc's front end (cudafe++),
+    which it appends to the module id, and so to every `_INTERNAL_<hash>_<len>_<file>_<hash>` name, in
+    a translation unit that defines no non-template external function or variable (all three of
+    causal-conv1d's .cu files). Without it the number follows how many processes ran before, which
+    MAX_JOBS, --threads and the machine's load change. The module id keeps the file's name, so one
+    seed per recipe still gives each file its own internal names (nvcc 13.0.88)."""
+    return ["-objtemp", f"-frandom-seed={recipe.dist_name}-{recipe.version}"]
+
+
 def compile_recipe(recipe: Recipe, target: Target, toolchain: DetectedToolchain, plan: Plan, src: Path, stage: Path,
                    log: Path) -> Path:
     """pip wheel --no-build-isolation --no-deps in the patched tree; returns the raw wheel."""
@@ -103,9 +116,7 @@ def compile_recipe(recipe: Recipe, target: Target, toolchain: DetectedToolchain,
         "MAX_JOBS": str(plan.max_jobs),
         "NVCC_THREADS": str(plan.nvcc_threads),
         "SOURCE_DATE_EPOCH": str(plan.source_date_epoch),
-        # -objtemp names nvcc's intermediate files after the object instead of tmpxft_<pid>_..., whose
-        # pid otherwise lands in .nv_fatbin and changes every build (DESIGN.md §4, measured here).
-        "NVCC_APPEND_FLAGS": (env.get("NVCC_APPEND_FLAGS", "") + " -objtemp").strip(),
+        "NVCC_APPEND_FLAGS": " ".join([*env.get("NVCC_APPEND_FLAGS", "").split(), *nvcc_fixed_flags(recipe)]),
         "PIP_NO_INPUT": "1",
         "PYTHONHASHSEED": "0",
     })
