@@ -82,7 +82,14 @@ def test_wheel_imports_in_a_clean_venv_with_its_torch(built_wheels, tmp_path):
 @pytest.mark.slow
 def test_two_cold_builds_in_different_directories_give_the_same_wheel(built_wheels, tmp_path):
     """Another checkout directory, no layer cache for the compile (REBUILD nonce), a cold compile (the
-    builder's default: no ccache): the wheel's sha256 must not change."""
+    builder's default: no ccache), another MAX_JOBS and NVCC_THREADS than the first build's (so other
+    nvcc command lines and other process ids), and another compile environment (REBUILD, a 32-character
+    nonce instead of "0", is in the RUN's environment): the wheel's sha256 must not change. On a
+    mismatch the message names the differing members, ELF sections and symbols (wheelbuilder.elfdiff)."""
+    import re
+
+    from wheelbuilder.elfdiff import explain
+
     checkout = tmp_path / "elsewhere" / "dflash-images"
     files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"],
                            capture_output=True, text=True, check=True).stdout.split()
@@ -91,14 +98,18 @@ def test_two_cold_builds_in_different_directories_give_the_same_wheel(built_whee
             (checkout / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, checkout / f)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(checkout))
+    # The planner never picks one job of two threads (one job means one worker, so one thread).
+    jobs, threads = ("2", "1") if (os.environ.get("MAX_JOBS"), os.environ.get("NVCC_THREADS")) == ("1", "2") else ("1", "2")
+    env = dict(os.environ, PYTHONPATH=str(checkout), MAX_JOBS=jobs, NVCC_THREADS=threads)
     env.pop("CCACHE_DISABLE", None)
     subprocess.run([sys.executable, "-c",
                     "import sys; from images.build import build_wheels; from wheelbuilder import targets;"
                     f"build_wheels(targets.load().target('cu130-sm120'), __import__('pathlib').Path({str(out)!r}),"
                     f" rebuild={uuid.uuid4().hex!r})"],
                    cwd=checkout, env=env, check=True)
-    assert sha256(out / WHEEL) == sha256(built_wheels / WHEEL)
+    plan = (checkout / "logs" / "cu130-sm120-causal-conv1d.log").read_text()
+    assert re.search(rf"^\s+max_jobs\s+{jobs}$", plan, re.M) and re.search(rf"^\s+nvcc_threads\s+{threads}$", plan, re.M)
+    assert sha256(out / WHEEL) == sha256(built_wheels / WHEEL), "\n".join(explain(built_wheels / WHEEL, out / WHEEL))
     assert json.loads((out / "manifest.json").read_text())["wheels"][0]["sha256"] == sha256(built_wheels / WHEEL)
 
 
