@@ -29,20 +29,26 @@ from wheelbuilder.cliutil import DefaultsOnceHelpFormatter, add_version, project
 
 from .config import add_arguments, from_args
 from .errors import ConfigError, DflashError
+from .signals import Terminated, sigterm_unwinds
 
 SUBCOMMANDS = ("train", "eval", "export", "regenerate", "report", "doctor", "healthcheck")
 
 
 def _guard(fn, argv) -> int:
-    """Run fn(argv); a DflashError becomes its message and exit code, Ctrl-C exit code 130."""
+    """Run fn(argv); a DflashError becomes its message and exit code, Ctrl-C exit code 130, SIGTERM 143
+    (training and server regeneration handle both signals themselves and finish cleanly first)."""
     try:
-        return fn(argv)
+        with sigterm_unwinds():
+            return fn(argv)
     except DflashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated (SIGTERM)", file=sys.stderr)
+        return 143
 
 
 # --- dflash-train ----------------------------------------------------------------------------------

@@ -135,3 +135,28 @@ def test_eval_refuses_a_drafter_of_another_target(tiny, tmp_path, capsys):
     assert main(["eval", "--target", str(other), "--drafter", str(out / "drafter"), "--data", str(data),
                  "--device", "cpu"]) == 7
     assert "trained for a different target: num_target_layers 4 != the target's 8 layers" in capsys.readouterr().err
+
+
+def test_sigterm_outside_training_unwinds_and_exits_143(tmp_path, capsys):
+    """eval, export and report get SIGTERM like Ctrl-C: `finally` blocks run, exit code 143."""
+    import os
+    import signal
+    import time
+
+    from dflash.cli import _guard
+
+    cleaned = []
+
+    def body(_argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # never reached in full: the handler raises at once
+            return 0
+        finally:
+            cleaned.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert _guard(body, []) == 143
+    assert cleaned == [True]
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is restored afterwards
