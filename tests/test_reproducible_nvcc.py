@@ -132,3 +132,46 @@ def test_the_source_mtime_reaches_the_cubin_line_table(tu: Path, tmp_path: Path)
     report = explain(a, b)
     assert any(line.strip().startswith("sections differing: .nv_fatbin") for line in report), report
     assert not any("symbols" in line for line in report), report
+
+
+def test_clamp_mtimes_sets_only_newer_regular_files(tmp_path: Path):
+    from wheelbuilder.toolkit import clamp_mtimes
+
+    root = tmp_path / "include"
+    (root / "cub" / "block").mkdir(parents=True)
+    new, old = root / "cub" / "block" / "block_load.cuh", root / "old.h"
+    new.write_text("// new")
+    old.write_text("// old")
+    os.utime(old, (SOURCE_MTIME - 100, SOURCE_MTIME - 100))
+    (root / "link.h").symlink_to(new)
+    assert clamp_mtimes([root], SOURCE_MTIME) == 1
+    assert new.stat().st_mtime == SOURCE_MTIME and old.stat().st_mtime == SOURCE_MTIME - 100
+    assert clamp_mtimes([root], SOURCE_MTIME) == 0
+
+
+@pytest.mark.nvcc
+def test_a_header_installed_at_another_time_gives_the_same_object_once_clamped(tmp_path: Path):
+    # A header's mtime reaches the cubin like the source's: pip writes torch's and CUDA's headers at
+    # install time, so two builder layers built at different times differ unless prepare-toolkit clamps them.
+    from wheelbuilder.toolkit import clamp_mtimes
+
+    inc = tmp_path / "include"
+    inc.mkdir()
+    header = inc / "twice.cuh"
+    header.write_text("__device__ __forceinline__ float twice(float v) { return v * 2.0f + 1.0f; }\n")
+    src = tmp_path / "build" / "k.cu"
+    src.parent.mkdir()
+    src.write_text('#include "twice.cuh"\n__global__ void k(float* x) { x[threadIdx.x] = twice(x[threadIdx.x]); }\n')
+    os.utime(src, (SOURCE_MTIME, SOURCE_MTIME))
+    flags = recipe_flags()
+    objects = []
+    for installed_at in (SOURCE_MTIME + 1000, SOURCE_MTIME + 5000):
+        os.utime(header, (installed_at, installed_at))
+        raw = compile_tu(src, tmp_path / "out" / f"raw-{installed_at}.o", threads=1, append=flags + [f"-I{inc}"],
+                         cwd=tmp_path, env_extra={})
+        clamp_mtimes([inc], SOURCE_MTIME)
+        objects.append((raw, compile_tu(src, tmp_path / "out" / f"clamped-{installed_at}.o", threads=1,
+                                        append=flags + [f"-I{inc}"], cwd=tmp_path, env_extra={})))
+    (raw_a, clamped_a), (raw_b, clamped_b) = objects
+    assert explain(raw_a, raw_b), "the header's mtime should reach .nv_fatbin"
+    assert sha256(clamped_a) == sha256(clamped_b), "\n".join(explain(clamped_a, clamped_b))

@@ -4,7 +4,8 @@
     python -m wheelbuilder build --target cu130-sm120 [--arch 12.0] [--python 3.12] [--out DIR] [--dry-run]
     python -m wheelbuilder audit --target cu130-sm120 dist/wheels/cu130-sm120/*.whl
     python -m wheelbuilder lock [--target cu128-sm120-torch2.11]
-    python -m wheelbuilder prepare-toolkit      (inside the builder stage: pip CUDA layout -> CUDA_HOME)
+    python -m wheelbuilder prepare-toolkit      (inside the builder stage: pip CUDA layout -> CUDA_HOME,
+                                                 header mtimes clamped to SOURCE_DATE_EPOCH)
     python -m wheelbuilder diff A.whl B.whl     (why two wheels or ELF files differ: sections, symbols)
 """
 
@@ -56,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     lk.add_argument("--target", default=None,
                     help="lock this target's torch, also from a non-PyPI index (default: every PyPI torch and dev)")
 
-    sub.add_parser("prepare-toolkit", help="make NVIDIA's pip CUDA wheels usable as CUDA_HOME and print it")
+    sub.add_parser("prepare-toolkit", help="builder stage only: make NVIDIA's pip CUDA wheels usable as CUDA_HOME, "
+                   "clamp CUDA's and torch's header mtimes to SOURCE_DATE_EPOCH, print CUDA_HOME")
 
     d = sub.add_parser("diff", help="explain how two wheels or ELF files differ (exit 1 when they do)")
     d.add_argument("a", type=Path, help="first wheel or ELF file")
@@ -132,13 +134,19 @@ def main_inner(argv: list[str] | None = None) -> int:
         print("\n".join(lines) if lines else f"{args.a} and {args.b} are identical")
         return 1 if lines else 0
     if args.command == "prepare-toolkit":
-        from .toolkit import find_cuda_home, pip_cuda_home, prepare_pip_cuda_home
+        from .fsutil import source_date_epoch
+        from .toolkit import clamp_mtimes, find_cuda_home, header_roots, pip_cuda_home, prepare_pip_cuda_home
 
         home = pip_cuda_home()
         if home:
             for made in prepare_pip_cuda_home(home):
                 print(f"linked {made}", file=sys.stderr)
-        print(find_cuda_home())
+        cuda_home = find_cuda_home()
+        epoch = source_date_epoch()
+        roots = header_roots(cuda_home)
+        changed = clamp_mtimes(roots, epoch)
+        print(f"set the mtime of {changed} headers under {', '.join(map(str, roots))} to {epoch}", file=sys.stderr)
+        print(cuda_home)
         return 0
     raise AssertionError(args.command)
 

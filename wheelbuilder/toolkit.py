@@ -65,6 +65,33 @@ def prepare_pip_cuda_home(home: Path) -> list[str]:
     return made
 
 
+def header_roots(cuda_home: Path) -> list[Path]:
+    """The header trees whose files can reach a cubin's line table: CUDA's (with CCCL) and torch's."""
+    roots = [(cuda_home / "include").resolve()]
+    spec = importlib.util.find_spec("torch")
+    if spec and spec.origin:
+        roots.append(Path(spec.origin).parent / "include")
+    return [r for r in roots if r.is_dir()]
+
+
+def clamp_mtimes(roots: list[Path], epoch: int) -> int:
+    """Set every regular file under `roots` newer than `epoch` to `epoch`; returns how many changed.
+
+    With -lineinfo, ptxas writes the mtime and size of each file that contributed device code (the
+    .cu and headers such as torch's Half.h or CCCL's cub/block/*.cuh) into the cubin's line table, so
+    headers installed by pip carry the time their layer was built into .nv_fatbin (README
+    "Reproducibility", tests/test_reproducible_nvcc.py). Run in the builder stage only: it rewrites
+    the toolkit's and torch's files."""
+    changed = 0
+    for root in roots:
+        for path in root.rglob("*"):
+            st = path.lstat()
+            if path.is_file() and not path.is_symlink() and st.st_mtime > epoch:
+                os.utime(path, (epoch, epoch))
+                changed += 1
+    return changed
+
+
 def default_cuda_candidates() -> list[Path]:
     candidates: list[Path] = []
     if os.environ.get("CUDA_HOME"):
