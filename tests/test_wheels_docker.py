@@ -43,8 +43,8 @@ def test_builder_stage_leaves_an_audited_wheel_and_manifest(built_wheels, ci_tar
     assert entry.sha256 == sha256(wheels[0]) and entry.size == wheels[0].stat().st_size
     assert entry.source_sha256 == ci_target.recipes[0].sha256
     assert entry.toolchain.nvcc == "13.0.88" and entry.toolchain.torch.startswith("2.11.0")
-    # The builder's Debian packages that feed the objects: compiler, C/C++ headers, Python's headers.
-    assert {"libc6-dev", "libstdc++-12-dev", "g++-12", "libpython3.11-dev"} <= set(entry.toolchain.system_packages)
+    # The builder's Debian packages that feed the objects: compiler, C/C++ headers, Python's headers, binutils.
+    assert {"libc6-dev", "libstdc++-12-dev", "g++-12", "libpython3.11-dev", "binutils"} <= set(entry.toolchain.system_packages)
     assert entry.arches == {"sass": [120], "ptx": []}
     assert entry.build_seconds > 0
     # nothing half-written is left beside the results

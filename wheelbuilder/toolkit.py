@@ -142,7 +142,8 @@ def cxx_version() -> str:
 
 def system_packages(cxx: str | None = None) -> dict[str, str]:
     """{package: version} of the distribution packages whose files go into the objects besides nvcc's
-    and torch's: the C++ compiler proper, libstdc++'s and libc's headers, Python's headers. A wheel's
+    and torch's: the C++ compiler proper, libstdc++'s and libc's headers, Python's headers, the
+    assembler and linker (binutils). A wheel's
     bytes depend on them, so the manifest records them. {} where there is no dpkg (not Debian/Ubuntu)."""
     import sysconfig
 
@@ -154,8 +155,11 @@ def system_packages(cxx: str | None = None) -> dict[str, str]:
         out = subprocess.run([cxx, *args], capture_output=True, text=True)
         return out.stdout.strip() if out.returncode == 0 else ""
 
+    # The assembler and linker too: gas computes the DWARF 5 location views in .debug_loclists.
+    tools = [ask(f"-print-prog-name={tool}") for tool in ("as", "ld")]
+    tools = [t if os.path.isabs(t) else (shutil.which(t) or "") for t in tools]
     probes = [ask("-print-prog-name=cc1plus"), ask("-print-file-name=libstdc++.so"), "/usr/include/stdio.h",
-              str(Path(sysconfig.get_paths()["include"]) / "Python.h")]
+              str(Path(sysconfig.get_paths()["include"]) / "Python.h"), *tools]
     owners: set[str] = set()
     for probe in filter(None, probes):
         for path in dict.fromkeys([probe, os.path.realpath(probe)]):
