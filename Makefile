@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-data bench-eval bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -76,6 +76,11 @@ bench-data: venv  ## data: conversations/s tokenised on 1 and N processes (100k)
 
 bench-eval: venv  ## speculative vs greedy decoding, target cache on and off (demo target, DRAFTER=dir)
 	$(PY) bench/bench_eval.py --drafter $(DRAFTER)
+
+# the target + drafter shape bench-spec-step times: 27b (one GPU, ~60 GB bf16) or tiny (CPU)
+PRESET ?= 27b
+bench-spec-step: venv  ## one verify, draft and greedy step's time after a 4096-token prefill; speed-up bound for tau 3,5,7
+	$(PY) bench/bench_spec_step.py --preset $(PRESET)
 
 bench-image: engine  ## runtime vs builder image size, doctor wall time, container start -> healthy
 	$(PY) bench/bench_image.py --target $(TARGET)
