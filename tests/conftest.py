@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A test run started in the background of a non-interactive shell (nohup, `cmd &`, some CI runners)
+# inherits SIGINT as ignored, and so would every command the tests start, so the tests that send
+# SIGINT to a build, an upload or a training run would find it ignored. Ctrl-C on a terminal reaches
+# a process whose SIGINT is not ignored: give the children that disposition (a handled signal is reset
+# to the default at exec, and Python then installs its KeyboardInterrupt handler).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 CI_TARGET = "cu130-sm120"
 REQUIRED = {t.strip() for t in os.environ.get("DFLASH_REQUIRE", "").split(",") if t.strip()}
 
