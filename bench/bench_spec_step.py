@@ -144,7 +144,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     gpu = (args.device == "auto" and torch.cuda.is_available()) or args.device.startswith("cuda")
     device = torch.device("cuda" if args.device == "auto" else args.device) if gpu else torch.device("cpu")
-    if gpu:
+    if gpu:  # "cuda" alone means the current device; set_device needs an index
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if gpu else torch.float32
     where = torch.cuda.get_device_name(device) if gpu else f"CPU ({torch.get_num_threads()} threads)"
