@@ -17,14 +17,11 @@ from typing import Callable
 
 import pytest
 
+from bad_input import assert_clear_failure, snapshot
 from dflash.doctor import healthcheck
 from dflash.doctor import run as doctor
 from dflash.doctor.checks import check_arch
 from dflash.doctor.report import FAIL, SCHEMA_VERSION
-
-
-def snapshot(d: Path) -> set[str]:
-    return {str(p) for p in d.rglob("*")}
 
 
 def write(name: str, text: str) -> Callable[[Path], Path]:
@@ -107,10 +104,7 @@ def test_bad_input(case: Case, tmp_path, monkeypatch, capsys):
     except SystemExit as e:  # argparse's own errors
         code = e.code
     out, err = capsys.readouterr()
-    assert code == case.code, out + err
-    for word in case.words:
-        assert word in out + err, f"{word!r} not in: {out + err}"
-    assert "Traceback" not in out + err
+    assert_clear_failure(code, case.code, out + err, case.words)
     assert snapshot(tmp_path) == before
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 import pytest
 
+from bad_input import assert_clear_failure, snapshot
 from images import imageinfo, template
 from images.transfer import main_send
 
@@ -37,10 +38,6 @@ def server(tmp_path_factory):
     s = sshd.start(tmp_path_factory.mktemp("sshd"))
     yield s
     s.stop()
-
-
-def snapshot(d: Path) -> set[str]:
-    return {str(p) for p in d.rglob("*")} if d.exists() else set()
 
 
 def free_port() -> int:
@@ -100,10 +97,7 @@ def test_transfer_bad_input(case: Case, server, tmp_path, capsys):
     before = snapshot(tmp_path)
     code = main_send(argv)
     err = capsys.readouterr().err
-    assert code == case.code, err
-    for word in case.words:
-        assert word in err, f"{word!r} not in: {err}"
-    assert "Traceback" not in err
+    assert_clear_failure(code, case.code, err, case.words)
     assert snapshot(tmp_path) - before == set()
 
 

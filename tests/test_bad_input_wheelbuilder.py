@@ -19,6 +19,7 @@ from typing import Callable
 
 import pytest
 
+from bad_input import assert_clear_failure, snapshot
 from wheelbuilder.__main__ import main
 from wheelbuilder.fsutil import exclusive
 from wheelbuilder.targets import load
@@ -28,10 +29,6 @@ REPO = Path(__file__).resolve().parent.parent
 DOUBLE = REPO / "tests" / "wheelbuilder_double.py"
 TARGET = "cu130-sm120"
 EPOCH = 1735689600
-
-
-def snapshot(*dirs: Path) -> set[str]:
-    return {str(p) for d in dirs if d.exists() for p in d.rglob("*")}
 
 
 def make_wheel(dest: Path) -> Path:
@@ -215,10 +212,7 @@ def test_bad_input(case: Case, tmp_path, monkeypatch, capsys):
     before = snapshot(tmp_path)
     code = main(argv)
     err = capsys.readouterr().err
-    assert code == case.code, err
-    for word in case.words:
-        assert word in err, f"{word!r} not in: {err}"
-    assert "Traceback" not in err
+    assert_clear_failure(code, case.code, err, case.words)
     assert snapshot(tmp_path) == before, "the command left files behind"
 
 
