@@ -187,6 +187,13 @@ def data_fingerprint(items) -> str:
 # --------------------------------------------------------------------------------------------------
 # Loading a run's training items
 # --------------------------------------------------------------------------------------------------
+def item_lengths(items) -> list[int]:
+    """Token count of every item. The token cache's TokenizedItems carries them (`.lengths`, no row read);
+    a plain list of items is measured."""
+    lengths = getattr(items, "lengths", None)
+    return list(lengths) if lengths is not None else [len(it["input_ids"]) for it in items]
+
+
 def load_items(config, target):
     """The run's items: --data (and --eval-data / --eval-fraction) tokenised with the target's chat template,
     once per data + tokenizer + max length, cached on disk and shared by all ranks (dflash.token_cache).

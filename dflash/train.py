@@ -28,7 +28,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .blocks import anchor_seed, sample_anchors
 from .config import TrainConfig
-from .data import DataOrder, data_fingerprint, load_items
+from .data import DataOrder, data_fingerprint, item_lengths, load_items
 from .doctor.heartbeat import Heartbeat
 from .errors import CheckpointError, ConfigError, DflashError, TrainError
 from .losses import LOSS_CHUNK_ROWS
@@ -116,6 +116,7 @@ class Trainer:
                                            weight_decay=config.weight_decay,
                                            fused=d.device.type == "cuda")
         self.fingerprint = data_fingerprint(items)
+        self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
         self.order = self._data_order()
         self.total_steps = config.max_steps or config.epochs * math.ceil(self.order.batches_per_epoch
                                                                          / config.grad_accum)
@@ -127,8 +128,7 @@ class Trainer:
 
     def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder:
         cfg = self.config
-        return DataOrder([len(it["input_ids"]) for it in self.items], cfg.max_tokens, cfg.batch_size, cfg.seed,
-                         epoch=epoch, index=index)
+        return DataOrder(self.lengths, cfg.max_tokens, cfg.batch_size, cfg.seed, epoch=epoch, index=index)
 
     # --- resume ------------------------------------------------------------------------------------
     def restore(self) -> Path | None:
