@@ -82,6 +82,9 @@ class TrainConfig:
     attention: str = _opt("auto", "drafter attention: 'flex' (block-sparse flex_attention, compiled to Triton; "
                           "skips masked tiles), 'sdpa' (dense masked SDPA), 'auto' (flex on GPU, sdpa on CPU)",
                           choices=("auto", "flex", "sdpa"))
+    compile: str = _opt("auto", "compile the drafter's decoder layers with torch.compile: 'auto' (on GPU), 'on', 'off' "
+                        "(a first step that compiles takes about a minute longer; later steps are faster)",
+                        choices=("auto", "on", "off"))
     cpu_threads: int = _opt(0, "threads for CPU tensor ops (0: torch's default); 1 avoids oversubscription on a busy machine")
     log_every: int = _opt(10, "log loss, accuracy and tokens/s every this many optimizer steps")
     save_every: int = _opt(500, "write a checkpoint every this many optimizer steps (0: only at the end)")

@@ -170,6 +170,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _compiled_flex = None
 
 
+def _flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention  # inside a compiled layer: traced into the layer's graph
+
+
 def flex_attention_fn(device: torch.device):
     """flex_attention, compiled for CUDA (eager flex is a dense reference, only fit for tests)."""
     global _compiled_flex
@@ -229,7 +235,8 @@ class DrafterAttention(nn.Module):
         else:
             # flex_attention is no autocast op: give it one dtype (the projections' autocast dtype).
             q, k = q.to(v.dtype), k.to(v.dtype)
-            out = flex_attention_fn(q.device)(q, k, v, block_mask=mask, enable_gqa=groups > 1)
+            flex = _flex_attention() if torch.compiler.is_compiling() else flex_attention_fn(q.device)
+            out = flex(q, k, v, block_mask=mask, enable_gqa=groups > 1)
         B, _, Q, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, c.num_attention_heads * c.head_dim))
 
@@ -321,6 +328,14 @@ class Drafter(nn.Module):
         for layer, kind in zip(self.layers, c.layer_types):
             x = layer(x, ctx, rope_q, rope_kv, masks[kind])
         return self.norm(x)
+
+    def compile_layers(self) -> "Drafter":
+        """Compile each decoder layer with torch.compile (regional compilation: the five layers share one
+        compiled graph; norms, RoPE, SiLU x up and the residual adds fuse into a few kernels, flex
+        attention is traced in). Module and tensor names are unchanged, so checkpoints are too."""
+        for layer in self.layers:
+            layer.compile(dynamic=None)
+        return self
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_pretrained(self, directory, dtype: torch.dtype | None = None) -> Path:

@@ -6,8 +6,9 @@ For a micro-batch of sequences [B,T] with loss mask [B,T] (this rank's share of 
     context   target.context(input_ids)                                  [B, T, k*H]   (no grad)
     embeds    target.embed(blocks)                                       [B, N*bs, H]  (no grad)
     hidden    drafter(context, embeds, anchors, ...)                     [B, N*bs, H]
-    loss sum  weighted_ce_from_hidden: target.lm_head on the scored positions, a chunk of rows at a
-              time; CE at block positions 1..bs-1, weighted exp(-(k-1)/gamma), summed (not averaged)
+    loss sum  target.lm_head on the scored positions fused with the CE at block positions 1..bs-1,
+              weighted exp(-(k-1)/gamma), summed (not averaged): dflash.head_loss (one product for the
+              logits, one for the rows' gradient, a chunk of rows at a time)
 
 `micro_batch_sums` returns sums, so micro-batches and ranks add up exactly; `backward` divides by the
 loss weight summed over ALL ranks (one all-reduce), so N processes compute the gradient one process
@@ -24,6 +25,7 @@ import torch
 
 from . import distributed
 from .blocks import build_blocks
+from .head_loss import fused_weighted_ce
 from .losses import weighted_ce_from_hidden
 
 
@@ -91,14 +93,17 @@ def summarize(totals: torch.Tensor, block_size: int, grad_norm: torch.Tensor | N
 
 def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: list[torch.Tensor], *,
                      block_size: int, gamma: float | None, autocast_dtype: torch.dtype,
-                     mark: Callable[[str], None] | None = None, keep_correct: bool = False) -> StepSums:
+                     mark: Callable[[str], None] | None = None, keep_correct: bool = False,
+                     fused_head: bool = True) -> StepSums:
     """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
 
     batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate); anchors: one
     sorted [n_b] position tensor per row (dflash.blocks.sample_anchors). `drafter` may be the DDP
     wrapper. `mark(phase)` is called after "target forward" and after "drafter forward" (a benchmark
     synchronises and reads its clock there; training passes None). keep_correct also returns the
-    per-block correct mask (dflash.train_eval's replay of greedy verification).
+    per-block correct mask (dflash.train_eval's replay of greedy verification). fused_head=False (or a
+    head that is no bias-free Linear) takes losses.weighted_ce_from_hidden instead: the same loss with
+    checkpointed chunks (bench/bench_drafter.py's "before").
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     blocks = build_blocks(ids, loss_mask * attn, anchors, block_size, target.mask_token_id)
@@ -113,8 +118,13 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
         hidden = drafter(context, block_embeds, blocks.anchors, attn.bool(), blocks.anchor_valid)
         # The LM head runs on the scored positions only, a chunk at a time (never the full
         # [anchors x block x vocab] logits).
-        loss_sum, weight, correct = weighted_ce_from_hidden(hidden.view(B, N, block_size, -1), target.lm_head,
-                                                            blocks.labels, blocks.label_valid, gamma)
+        hidden = hidden.view(B, N, block_size, -1)
+        head_weight = target.head_weight if fused_head else None
+        if head_weight is not None:
+            loss_sum, weight, correct = fused_weighted_ce(hidden, head_weight, blocks.labels, blocks.label_valid, gamma)
+        else:
+            loss_sum, weight, correct = weighted_ce_from_hidden(hidden, target.lm_head, blocks.labels,
+                                                                blocks.label_valid, gamma)
     if mark:
         mark("drafter forward")
     accepted, reached = acceptance_sums(correct, blocks.label_valid)

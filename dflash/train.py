@@ -69,6 +69,12 @@ def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | No
     return "flex" if device.type == "cuda" and wide_enough else "sdpa"
 
 
+def compile_layers(config: TrainConfig, device: torch.device) -> bool:
+    """--compile resolved for `device`: 'auto' compiles the drafter's layers on a GPU only (on a CPU the
+    compile costs more than it saves on the small models trained there)."""
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
 def precision(config: TrainConfig, device: torch.device) -> torch.dtype:
     """--precision resolved for `device`: the autocast dtype of the drafter and the dtype of the target."""
     if config.precision == "auto":
@@ -110,6 +116,8 @@ class Trainer:
         self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
         if config.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(config.init_drafter, dtype=torch.float32).state_dict())
+        if compile_layers(config, d.device):
+            self.drafter.compile_layers()
         self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
             if d.enabled else self.drafter
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr,
