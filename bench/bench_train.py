@@ -1,7 +1,7 @@
 """Drafter training benchmark: tokens/s of the real training loop, and where a step's time goes.
 
     python bench/bench_train.py                       demo target, then a larger random Qwen3.5 hybrid
-    python bench/bench_train.py --presets 27b --attention sdpa,flex --json out.json   (one H200)
+    python bench/bench_train.py --presets 27b --variants before,after --json out.json   (one H200)
     python -m bench.bench_train --presets large --hidden 4096 --layers 32 --vocab 248320
 
 Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized by --hidden/--layers/
@@ -24,6 +24,12 @@ and masked-out attention do not count):
   LM head         4 x hidden x vocab x scored rows (forward + input gradient; the head is frozen)
 The targets have random weights (speed does not depend on them). On a GPU the target runs in bf16
 with the drafter under bf16 autocast, as in training; on a CPU both run in fp32.
+Variants (--variants): after = the trainer as it is (compiled drafter layers on a GPU, the LM head fused
+with the loss); before = --compile off and the target's head offered only as a callable
+(`HeadAsCallable`), so the step takes the checkpointed head chunks: the step before those two changes.
+The phase split reports each phase's model TFLOP/s and share of the measured peak: target forward (its
+FLOPs), drafter forward (the drafter's forward + the head's logits product), drafter backward (the
+drafter's 2x forward + the head's input-gradient product).
 """
 
 from __future__ import annotations
@@ -53,11 +59,27 @@ from dflash.masks import drafter_attention_mask  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
 from dflash.step import backward, micro_batch_sums  # noqa: E402
 from dflash.target import Target  # noqa: E402
-from dflash.train import attention_impl, precision, train  # noqa: E402
+from dflash.train import attention_impl, compile_layers, precision, train  # noqa: E402
 
 # Qwen3.5-27B's text model (shared/research: 64 layers, 3 GatedDeltaNet : 1 full attention).
 QWEN35_27B = dict(hidden=5120, layers=64, vocab=248320, intermediate=17408, heads=24, kv_heads=4, head_dim=256,
                   linear_k_heads=16, linear_v_heads=48)
+
+
+VARIANTS = ("before", "after")
+
+
+class HeadAsCallable:
+    """The target with its LM head offered only as a callable (head_weight None), so dflash.step takes
+    the checkpointed chunks: the head of the 'before' variant. Everything else is the target's."""
+
+    head_weight = None
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
 
 
 def sync(device: torch.device) -> None:
@@ -164,7 +186,7 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
             "final_loss": result.history[-1]["loss"], "losses": [m["loss"] for m in result.history]}
 
 
-def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
+def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = None) -> dict:
     """Median seconds per phase of one micro-batch step: dflash.step's functions, as the trainer calls
     them, with the clock read (after a CUDA sync) between the phases."""
     from dflash.data import collate
@@ -174,6 +196,8 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
     torch.manual_seed(0)
     dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.drafter_layers, block_size=cfg.block_size)
     drafter = Drafter(dcfg, attention=attention_impl(cfg, device, dcfg.head_dim)).to(device)
+    if compile_layers(cfg, device):
+        drafter.compile_layers()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
     batch_items = items[: cfg.batch_size]
     batch = {k: v.to(device) for k, v in collate(batch_items, 0).items()}
@@ -208,19 +232,25 @@ def time_split(target, items, cfg: TrainConfig, reps: int) -> dict:
     blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, cfg.block_size,
                           target.mask_token_id)
     flops = model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
+    phase_flops = {"target forward": flops["target_forward"], "drafter forward": flops["drafter"] / 3 + flops["lm_head"] / 2,
+                   "drafter backward": 2 * flops["drafter"] / 3 + flops["lm_head"] / 2, "optimizer step": 0.0}
+    tflops = {name: phase_flops[name] / med[name] / 1e12 for name in phases}
     drafter_params = sum(p.numel() for p in drafter.parameters())
     del drafter, opt, sums
     free_memory(device)
     return {"step_s": total, "tokens_per_s": tokens / total, "model_flops": flops,
             "share": {name: round(v / total, 3) for name, v in med.items()},
+            "tflops": {name: round(v, 1) for name, v in tflops.items()},
+            "share_of_peak": {name: round(v / peak, 3) for name, v in tflops.items()} if peak else None,
             "seconds": {name: round(v, 5) for name, v in med.items()},
             "drafter_params": drafter_params, "anchors": int(blocks.anchor_valid.sum())}
 
 
-def bench_one(name: str, target, args, device, attention: str, peak: float | None) -> dict:
+def bench_one(name: str, target, args, device, attention: str, variant: str, peak: float | None) -> dict:
     seq = min(args.seq_len, 256) if name == "demo" else args.seq_len
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as out:
-        row = _bench_in(name, target, args, device, seq, out, attention)
+        row = _bench_in(name, HeadAsCallable(target) if variant == "before" else target, args, device, seq, out,
+                        attention, variant, peak)
     free_memory(device)
     if peak and "split" in row:
         flops = row["split"]["model_flops"]
@@ -231,48 +261,58 @@ def bench_one(name: str, target, args, device, attention: str, peak: float | Non
     return row
 
 
-def _bench_in(name: str, target, args, device, seq: int, out: str, attention: str) -> dict:
+def _bench_in(name: str, target, args, device, seq: int, out: str, attention: str, variant: str,
+              peak: float | None) -> dict:
     cfg = TrainConfig(
         out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
         max_length=max(seq, 2 * args.block_size), max_tokens=max(seq, 2 * args.block_size) * args.batch_size,
         batch_size=args.batch_size, max_anchors=args.anchors, max_steps=args.steps + args.warmup, epochs=0,
         save_every=0, log_every=10**6, progress=False, device=str(device), attention=attention,
+        compile="off" if variant == "before" else "auto",
     )
     items = synthetic_items(args.batch_size * (args.steps + args.warmup), seq, target.vocab_size)
     row = {"target": name, "device": str(device), "target_params": sum(p.numel() for p in target.model.parameters()),
            "hidden": target.hidden_size, "layers": target.num_layers, "vocab": target.vocab_size,
-           "seq_len": seq, "batch_size": args.batch_size, "anchors": args.anchors, "block_size": args.block_size,
+           "variant": variant, "seq_len": seq, "batch_size": args.batch_size, "anchors": args.anchors, "block_size": args.block_size,
            "attention": attention_impl(cfg, device, getattr(target.config, "head_dim", None)), "kernels": target.kernel_report()}
     row["loop"] = throughput(target, items, cfg, args.warmup)
     if not args.no_split:
-        row["split"] = time_split(target, items, cfg, args.reps)
+        row["split"] = time_split(target, items, cfg, args.reps, peak)
     return row
 
 
 def report(rows: list[dict]) -> str:
-    lines = [f"{'target':<6} {'attn':<5} {'params':>8} {'seq x B':>9} {'anchors':>7} {'loop tok/s':>11} "
-             f"{'target fwd':>10} {'drafter fwd':>11} {'drafter bwd':>11} {'optim':>6} {'MFU':>6}"]
+    lines = [f"{'target':<6} {'attn':<5} {'variant':<7} {'params':>8} {'seq x B':>9} {'anchors':>7} {'loop tok/s':>11} "
+             f"{'MFU':>6}  per phase: share of the step, TFLOP/s (share of peak)"]
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
-        head = (f"{r['target']:<6} {r['attention']:<5} {r['target_params'] / 1e6:>7.0f}M {r['seq_len']:>5} x "
-                f"{r['batch_size']:<2} {r['split']['anchors'] if 'split' in r else '-':>7} "
-                f"{r['loop']['tokens_per_s']:>11.0f} ")
+        head = (f"{r['target']:<6} {r['attention']:<5} {r['variant']:<7} {r['target_params'] / 1e6:>7.0f}M "
+                f"{r['seq_len']:>5} x {r['batch_size']:<2} {r['split']['anchors'] if 'split' in r else '-':>7} "
+                f"{r['loop']['tokens_per_s']:>11.0f} {mfu:>6}  ")
         if "split" not in r:
-            lines.append(head + f"{'(no split)':>10}")
+            lines.append(head + "(no split)")
             continue
-        s = r["split"]["share"]
-        lines.append(head + f"{s['target forward']:>10.1%} {s['drafter forward']:>11.1%} {s['drafter backward']:>11.1%} "
-                     f"{s['optimizer step']:>6.1%} {mfu:>6}")
+        sp = r["split"]
+        parts = []
+        for name in ("target forward", "drafter forward", "drafter backward", "optimizer step"):
+            of_peak = f" ({sp['share_of_peak'][name]:.0%})" if sp.get("share_of_peak") and name != "optimizer step" else ""
+            tf = f" {sp['tflops'][name]:.0f}{of_peak}" if name != "optimizer step" else ""
+            parts.append(f"{name} {sp['share'][name]:.1%}{tf}")
+        lines.append(head + "; ".join(parts))
     if rows and "peak_tflops" in rows[0]:
         lines.append(f"bf16 matmul peak measured in this run: {rows[0]['peak_tflops']:.0f} TFLOP/s")
-    by_target: dict[str, dict] = {}
+    by_key: dict[tuple, dict] = {}
     for r in rows:
-        by_target.setdefault(r["target"], {})[r["attention"]] = r
-    for name, runs in by_target.items():
-        if {"sdpa", "flex"} <= runs.keys() and all("split" in r for r in runs.values()):
-            a, b = runs["sdpa"], runs["flex"]
-            lines.append(f"{name}: flex/sdpa loop tokens/s {b['loop']['tokens_per_s'] / a['loop']['tokens_per_s']:.2f}x, "
-                         f"drafter fwd+bwd {(a['split']['seconds']['drafter forward'] + a['split']['seconds']['drafter backward']) / (b['split']['seconds']['drafter forward'] + b['split']['seconds']['drafter backward']):.2f}x faster")
+        by_key.setdefault((r["target"], r["attention"]), {})[r["variant"]] = r
+    for (name, attention), runs in by_key.items():
+        if {"before", "after"} <= runs.keys():
+            a, b = runs["before"], runs["after"]
+            line = f"{name} {attention}: after/before loop tokens/s {b['loop']['tokens_per_s'] / a['loop']['tokens_per_s']:.2f}x"
+            if "split" in a and "split" in b:
+                da = a["split"]["seconds"]["drafter forward"] + a["split"]["seconds"]["drafter backward"]
+                db = b["split"]["seconds"]["drafter forward"] + b["split"]["seconds"]["drafter backward"]
+                line += f", drafter fwd+bwd {da * 1e3:.0f} -> {db * 1e3:.0f} ms ({da / db:.2f}x)"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -280,6 +320,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--presets", default="demo,large", help="comma list of: demo, large, 27b")
     p.add_argument("--attention", default="auto", help="comma list of drafter attentions to compare: auto, sdpa, flex")
+    p.add_argument("--variants", default="after", help="comma list of: before (eager layers, checkpointed head), after")
     p.add_argument("--device", default="auto", help="'auto' (cuda if there), 'cpu', 'cuda'")
     p.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default: 20 on GPU, 3 on CPU)")
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
@@ -314,6 +355,10 @@ def main(argv=None) -> int:
     for a in attentions:
         if a not in ("auto", "sdpa", "flex"):
             p.error(f"unknown attention '{a}'; choose from auto, sdpa, flex")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"unknown variant '{v}'; choose from {', '.join(VARIANTS)}")
     peak = matmul_peak(device) if gpu and not args.no_split else None
     if peak and main_rank:
         print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
@@ -321,11 +366,12 @@ def main(argv=None) -> int:
     for name in presets:
         target = (demo_target(device, dtype) if name == "demo" else
                   large_target(args, device, dtype, QWEN35_27B if name == "27b" else None))
-        for attention in attentions:
+        for attention, variant in ((a, v) for a in attentions for v in variants):
             try:
-                rows.append(bench_one(name, target, args, device, attention, peak))
+                rows.append(bench_one(name, target, args, device, attention, variant, peak))
             except Exception as e:  # one failing variant must not lose the others' figures
-                print(json.dumps({"target": name, "attention": attention, "error": f"{type(e).__name__}: {e}"}), flush=True)
+                print(json.dumps({"target": name, "attention": attention, "variant": variant,
+                                  "error": f"{type(e).__name__}: {e}"}), flush=True)
                 free_memory(device)
                 continue
             if main_rank:
