@@ -31,8 +31,8 @@ from dflash.masks import drafter_attention_mask  # noqa: E402
 from dflash.model import flex_block_mask  # noqa: E402
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps); None = torch's default for the device
-CONFIGS = [None, (64, 64, 64, 64, 2, 8), (64, 64, 64, 64, 1, 8), (64, 64, 64, 64, 3, 4), (32, 64, 64, 32, 2, 4),
-           (32, 64, 64, 32, 3, 4), (32, 128, 128, 32, 2, 8), (64, 128, 128, 64, 1, 8), (32, 64, 64, 32, 4, 4)]
+CONFIGS = [None, (64, 64, 64, 64, 2, 8), (64, 64, 64, 64, 3, 4), (32, 64, 64, 32, 3, 4), (32, 128, 128, 32, 2, 8),
+           (64, 128, 128, 64, 2, 8)]
 
 
 def options(config) -> dict:
