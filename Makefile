@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-drafter bench-flex bench-fit bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -58,6 +58,15 @@ bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a
 
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
+
+bench-drafter: venv  ## the drafter micro-batch alone at the 27B shape: before/after variants side by side, TFLOP/s, memory, gradients vs fp32
+	$(PY) bench/bench_drafter.py --numerics
+
+bench-flex: venv  ## flex_attention backward tile configurations at the drafter's 27B attention shape (GPU)
+	$(PY) bench/bench_flex.py
+
+bench-fit: venv  ## largest anchors x sequence length whose training micro-batch fits beside a 27B-shape target (GPU)
+	$(PY) bench/bench_fit.py
 
 bench-scaling: venv  ## multi-GPU: the training loop under torchrun on 1 and N processes (efficiency, same-loss check)
 	$(PY) bench/bench_scaling.py
