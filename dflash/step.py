@@ -12,8 +12,8 @@ For a micro-batch of sequences [B,T] with loss mask [B,T] (this rank's share of 
 
 `micro_batch_sums` returns sums, so micro-batches and ranks add up exactly; `backward` divides by the
 loss weight summed over ALL ranks (one all-reduce), so N processes compute the gradient one process
-would compute on the whole global micro-batch. Nothing here reads a tensor back to the host: the
-statistics stay on the device until the trainer logs them.
+would compute on the whole global micro-batch. The statistics stay on the device until the trainer
+logs them; the one value read back in a step is the count of scored rows (dflash.head_loss gathers them).
 """
 
 from __future__ import annotations
