@@ -187,23 +187,37 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
             "final_loss": result.history[-1]["loss"], "losses": [m["loss"] for m in result.history]}
 
 
+def first_micro_batch(target, items, cfg: TrainConfig):
+    """(batch on the device, anchors, drafter config) of the loop's first micro-batch, as the trainer makes them."""
+    from dflash.data import collate
+
+    batch_items = items[: cfg.batch_size]
+    batch = {k: v.to(target.device) for k, v in collate(batch_items, 0).items()}
+    anchors = [sample_anchors(it["loss_mask"], cfg.max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))
+               for i, it in enumerate(batch_items)]
+    dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.drafter_layers, block_size=cfg.block_size)
+    return batch, anchors, dcfg
+
+
+def batch_flops(target, items, cfg: TrainConfig) -> dict:
+    """model_flops of the first micro-batch (the MFU's numerator when the split is not timed)."""
+    batch, anchors, dcfg = first_micro_batch(target, items, cfg)
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, cfg.block_size,
+                          target.mask_token_id)
+    return model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
+
+
 def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = None) -> dict:
     """Median seconds per phase of one micro-batch step: dflash.step's functions, as the trainer calls
     them, with the clock read (after a CUDA sync) between the phases."""
-    from dflash.data import collate
-
     device = target.device
     d = distributed.Dist(rank=0, world_size=1, local_rank=0, device=device)  # this process alone
+    batch, anchors, dcfg = first_micro_batch(target, items, cfg)
     torch.manual_seed(0)
-    dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.drafter_layers, block_size=cfg.block_size)
     drafter = Drafter(dcfg, attention=attention_impl(cfg, device, dcfg.head_dim)).to(device)
     if compile_layers(cfg, device):
         drafter.compile_layers()
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
-    batch_items = items[: cfg.batch_size]
-    batch = {k: v.to(device) for k, v in collate(batch_items, 0).items()}
-    anchors = [sample_anchors(it["loss_mask"], cfg.max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))
-               for i, it in enumerate(batch_items)]
     phases: dict[str, list[float]] = {"target forward": [], "drafter forward": [], "drafter backward": [],
                                       "optimizer step": []}
     for rep in range(reps + 1):
@@ -256,8 +270,8 @@ def bench_one(name: str, target, args, device, attention: str, variant: str, pea
         row = _bench_in(name, HeadAsCallable(target) if variant == "before" else target, args, device, seq, out,
                         attention, variant, peak)
     free_memory(device)
-    if peak and "split" in row:
-        flops = row["split"]["model_flops"]
+    if peak and ("split" in row or "model_flops" in row):
+        flops = row["split"]["model_flops"] if "split" in row else row["model_flops"]
         step_s = flops["tokens"] / row["loop"]["tokens_per_s"]  # seconds per micro-batch in the real loop
         row["peak_tflops"] = peak
         row["model_tflops_per_s"] = flops["total"] / step_s / 1e12
@@ -280,7 +294,9 @@ def _bench_in(name: str, target, args, device, seq: int, out: str, attention: st
            "variant": variant, "seq_len": seq, "batch_size": args.batch_size, "anchors": args.anchors, "block_size": args.block_size,
            "attention": attention_impl(cfg, device, getattr(target.config, "head_dim", None)), "kernels": target.kernel_report()}
     row["loop"] = throughput(target, items, cfg, args.warmup)
-    if not args.no_split:
+    if args.no_split:
+        row["model_flops"] = batch_flops(target, items, cfg)
+    else:
         row["split"] = time_split(target, items, cfg, args.reps, peak)
     return row
 
@@ -337,7 +353,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=None, help="large target width (default: 2048 GPU, 256 CPU)")
     p.add_argument("--layers", type=int, default=None, help="large target layers (default: 16 GPU, 4 CPU)")
     p.add_argument("--vocab", type=int, default=None, help="large target vocabulary (default: 151936 GPU, 8192 CPU)")
-    p.add_argument("--no-split", action="store_true", help="only the training loop (no phase-by-phase split, no MFU)")
+    p.add_argument("--no-split", action="store_true", help="only the training loop (no phase-by-phase split)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     gpu = (args.device == "auto" and torch.cuda.is_available()) or args.device.startswith("cuda")
@@ -363,7 +379,7 @@ def main(argv=None) -> int:
     for v in variants:
         if v not in VARIANTS:
             p.error(f"unknown variant '{v}'; choose from {', '.join(VARIANTS)}")
-    peak = matmul_peak(device) if gpu and not args.no_split else None
+    peak = matmul_peak(device) if gpu else None
     if peak and main_rank:
         print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
     rows = []
