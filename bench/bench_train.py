@@ -178,6 +178,9 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
     def on_step(step, metrics):
         sync(target.device)
         stamps.append((time.perf_counter(), metrics["tokens"]))
+        if len(stamps) > 1:  # each step as it ends: a run cut short still says how fast its steps were
+            print(json.dumps({"step": step, "seconds": round(stamps[-1][0] - stamps[-2][0], 4),
+                              "tokens": metrics["tokens"]}), flush=True)
 
     result = train(cfg, target=target, items=items, on_step=on_step, handle_signals=False)
     timed = stamps[warmup:]
