@@ -30,7 +30,6 @@ busy share of the wall time, and the host syncs (torch.cuda sync debug mode).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -45,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.bench_train import free_memory as free  # noqa: E402
+from bench.bench_train import matmul_peak, sync  # noqa: E402
 from dflash import distributed, flops  # noqa: E402
 from dflash.blocks import anchor_seed, sample_anchors  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
@@ -123,17 +124,6 @@ def step_flops(dcfg: DrafterConfig, s: dict, anchors: list[torch.Tensor], batch:
     head = flops.head_flops(dcfg, scored)
     return {"forward": drafter / 3 + head / 2, "backward": 2 * drafter / 3 + head / 2, "drafter": drafter,
             "lm_head": head, "scored_rows": scored, "block_rows": len(positions) * bs}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def new_drafter(dcfg: DrafterConfig, device: torch.device, attention: str, compiled: bool,
@@ -368,8 +358,6 @@ def main(argv=None) -> int:
     free(device)
     peak = None
     if gpu:
-        from bench.bench_train import matmul_peak
-
         peak = matmul_peak(device)
         print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
     fl = step_flops(dcfg, s, anchors, batch)

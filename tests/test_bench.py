@@ -41,3 +41,20 @@ def test_data_benchmark_at_toy_size(tmp_path):
     assert [r["procs"] for r in result["tokenise"]] == [1, 2]
     assert all(r["kept"] == 300 and r["conversations_per_s"] > 0 for r in result["tokenise"])
     assert result["first_step_s"]["second_start"] < result["first_step_s"]["cold_cache"]
+
+
+def test_drafter_step_benchmark_at_toy_size(tmp_path):
+    """bench_drafter.py (the H200 run's script for the drafter step) on the CPU: both head variants time,
+    and --numerics puts their fp32 gradients on the reference's (cosine 1 to rounding)."""
+    out = tmp_path / "drafter.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_drafter.py"), "--shape", "tiny", "--device", "cpu",
+                          "--variants", "before,fused-head", "--reps", "1", "--warmup", "1", "--numerics",
+                          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [v["variant"] for v in result["variants"]] == ["before", "fused-head"]
+    assert all(v["step_s"] > 0 for v in result["variants"])
+    for name in ("before", "fused-head"):
+        assert result["numerics"][name]["all"]["cosine"] > 1 - 1e-9
+    assert result["numerics"]["reference_vs_float64_small_shape"]["rel_l2"] < 1e-4
+    assert "fused-head: " in run.stdout and "x the step of 'before'" in run.stdout

@@ -12,36 +12,32 @@ from bench.bench_drafter import (SHAPES, StandInTarget, VARIANTS, compare, draft
                                  new_drafter, one_step, reference_gradients)
 
 
-def _setup(shape: dict, device: torch.device, dtype: torch.dtype):
+def _gradients_vs_reference(shape: dict, device: torch.device, variant: str) -> dict:
+    """One micro-batch of `variant` (fp32 and SDPA on a CPU; bf16 autocast and flex on a GPU) against the
+    fp32 reference step on the same weights and inputs: compare()'s cosine / relative L2 per group."""
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
     dcfg = drafter_config(shape, 2, 8)
     target = StandInTarget(shape, device, dtype, len(dcfg.target_layer_ids))
     batch, anchors = make_batch(shape, device)
     state = {k: v.clone() for k, v in new_drafter(dcfg, device, "sdpa", False).state_dict().items()}
-    return dcfg, target, batch, anchors, state
+    ref = reference_gradients(dcfg, shape, target, batch, anchors, device, state)
+    v = VARIANTS[variant]
+    drafter = new_drafter(dcfg, device, "flex" if gpu else "sdpa", v["compiled"], state)
+    one_step(drafter, target, batch, anchors, dcfg, dtype, v["fused_head"], device)
+    return compare(gradients(drafter), ref)
 
 
 @pytest.mark.parametrize("variant", ["before", "fused-head"])
 def test_fp32_step_matches_the_reference_on_the_cpu(variant):
-    shape = dict(SHAPES["tiny"], seq=96, anchors=6)
-    device = torch.device("cpu")
-    dcfg, target, batch, anchors, state = _setup(shape, device, torch.float32)
-    ref = reference_gradients(dcfg, shape, target, batch, anchors, device, state)
-    drafter = new_drafter(dcfg, device, "sdpa", False, state)
-    one_step(drafter, target, batch, anchors, dcfg, torch.float32, VARIANTS[variant]["fused_head"], device)
-    for group, r in compare(gradients(drafter), ref).items():
+    result = _gradients_vs_reference(dict(SHAPES["tiny"], seq=96, anchors=6), torch.device("cpu"), variant)
+    for group, r in result.items():
         assert r["cosine"] > 1 - 1e-9 and r["rel_l2"] < 1e-5, (group, r)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["before", "after"])
 def test_bf16_step_keeps_its_gradients_next_to_the_fp32_reference_on_the_gpu(variant):
-    shape = dict(SHAPES["small"], seq=1024, anchors=64)
-    device = torch.device("cuda")
-    dcfg, target, batch, anchors, state = _setup(shape, device, torch.bfloat16)
-    ref = reference_gradients(dcfg, shape, target, batch, anchors, device, state)
-    v = VARIANTS[variant]
-    drafter = new_drafter(dcfg, device, "flex", v["compiled"], state)
-    one_step(drafter, target, batch, anchors, dcfg, torch.bfloat16, v["fused_head"], device)
-    result = compare(gradients(drafter), ref)
+    result = _gradients_vs_reference(dict(SHAPES["small"], seq=1024, anchors=64), torch.device("cuda"), variant)
     for group, r in result.items():
         assert r["cosine"] >= 0.999, (group, r)
