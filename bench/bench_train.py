@@ -22,6 +22,8 @@ and masked-out attention do not count):
                   context + block rows; fc: context rows) + 4 x head_dim x heads x (visible query-key
                   pairs of the drafter mask)
   LM head         4 x hidden x vocab x scored rows (forward + input gradient; the head is frozen)
+The drafter's micro-batch alone (forward + loss, backward; variants, memory, gradients against fp32) is
+bench/bench_drafter.py's: `python bench/bench_drafter.py` runs it at the 27B shape in one command.
 The targets have random weights (speed does not depend on them). On a GPU the target runs in bf16
 with the drafter under bf16 autocast, as in training; on a CPU both run in fp32.
 Variants (--variants): after = the trainer as it is (compiled drafter layers on a GPU, the LM head fused
