@@ -74,7 +74,7 @@ bench-scaling: venv  ## multi-GPU: the training loop under torchrun on 1 and N p
 bench-kernels: venv  ## GatedDeltaNet kernels vs their torch fallbacks; a Qwen3.5-27B layer stack fast vs fla-only vs fallbacks
 	$(PY) bench/bench_kernels.py
 
-bench-loss: venv  ## the full-logits loss vs the chunked LM head: step time and peak GPU memory
+bench-loss: venv  ## the full-logits loss vs the chunked and the fused LM head: step time and peak GPU memory
 	$(PY) bench/bench_loss.py
 
 # the drafter bench-eval times (default: where the built-in demo, `dflash-train`, writes it)
