@@ -55,6 +55,22 @@ def head_flops(dcfg, scored_rows: int) -> float:
     return 4 * dcfg.hidden_size * dcfg.vocab_size * scored_rows
 
 
+def drafter_and_head_flops(dcfg, items: list[dict], anchors: list[torch.Tensor]) -> tuple[float, float]:
+    """(drafter forward + backward, LM head) model FLOPs of a micro-batch of `items` (input_ids, loss_mask)
+    with these anchors, counted from the anchor positions (a sliding window cuts the sliding layers' pairs)."""
+    lengths = [int(it["input_ids"].numel()) for it in items]
+    positions = [int(a) for t in anchors for a in t.tolist()]
+    bs = dcfg.block_size
+    sliding = sum(1 for t in (dcfg.layer_types or []) if t == "sliding_attention")
+    full_pairs = drafter_pairs(positions, bs)
+    window_pairs = drafter_pairs(positions, bs, dcfg.sliding_window) if sliding else full_pairs
+    n = max(1, dcfg.num_hidden_layers)
+    pairs = (sliding * window_pairs + (n - sliding) * full_pairs) / n
+    # scored rows: block positions a+1..a+bs-1 inside the sequence with a supervised label
+    scored = sum(int(it["loss_mask"][a + 1:a + bs].sum()) for it, t in zip(items, anchors) for a in t.tolist())
+    return drafter_flops(dcfg, sum(lengths), len(positions) * bs, pairs), head_flops(dcfg, scored)
+
+
 class StepFlops:
     """Model FLOPs of micro-batches from their items and anchors (host-side: no device sync)."""
 
@@ -63,18 +79,7 @@ class StepFlops:
 
     def __call__(self, items: list[dict], anchors: list[torch.Tensor]) -> float:
         lengths = [int(it["input_ids"].numel()) for it in items]
-        positions = [int(a) for t in anchors for a in t.tolist()]
-        bs = self.dcfg.block_size
-        sliding = sum(1 for t in (self.dcfg.layer_types or []) if t == "sliding_attention")
-        full_pairs = drafter_pairs(positions, bs)
-        window_pairs = drafter_pairs(positions, bs, self.dcfg.sliding_window) if sliding else full_pairs
-        n = max(1, self.dcfg.num_hidden_layers)
-        pairs = (sliding * window_pairs + (n - sliding) * full_pairs) / n
-        # scored rows: block positions a+1..a+bs-1 inside the sequence with a supervised label
-        scored = sum(int(it["loss_mask"][a + 1:a + bs].sum()) for it, t in zip(items, anchors) for a in t.tolist())
-        return (target_forward_flops(self.target, lengths)
-                + drafter_flops(self.dcfg, sum(lengths), len(positions) * bs, pairs)
-                + head_flops(self.dcfg, scored))
+        return target_forward_flops(self.target, lengths) + sum(drafter_and_head_flops(self.dcfg, items, anchors))
 
 
 def peak_flops(device: torch.device) -> float | None:
