@@ -22,7 +22,7 @@ import torch
 
 from .losses import LOSS_CHUNK_ROWS, position_weights
 
-_compiled: dict[bool, object] = {}
+_compiled = None
 
 
 def _ce_rows(logits: torch.Tensor, targets: torch.Tensor, row_w: torch.Tensor, want_grad: bool):
@@ -39,13 +39,14 @@ def _ce_rows(logits: torch.Tensor, targets: torch.Tensor, row_w: torch.Tensor, w
     return ce, top1, dlogits.to(logits.dtype)
 
 
-def _ce_rows_fn(device: torch.device, want_grad: bool):
+def _ce_rows_fn(device: torch.device):
     """_ce_rows, compiled into one or two kernels on CUDA (eager elsewhere: five passes over [m,V])."""
+    global _compiled
     if device.type != "cuda":
         return _ce_rows
-    if want_grad not in _compiled:
-        _compiled[want_grad] = torch.compile(_ce_rows, dynamic=None)
-    return _compiled[want_grad]
+    if _compiled is None:
+        _compiled = torch.compile(_ce_rows, dynamic=None)
+    return _compiled
 
 
 class _HeadCE(torch.autograd.Function):
@@ -58,7 +59,7 @@ class _HeadCE(torch.autograd.Function):
         ce = torch.empty(M, dtype=torch.promote_types(dtype, torch.float32), device=rows.device)
         top1 = torch.empty(M, dtype=torch.long, device=rows.device)
         grad = torch.empty(M, rows.shape[1], dtype=dtype, device=rows.device) if want_grad else None
-        fn = _ce_rows_fn(rows.device, want_grad)
+        fn = _ce_rows_fn(rows.device)
         with torch.autocast(rows.device.type, enabled=False):
             for start in range(0, M, chunk_rows):
                 part = slice(start, start + chunk_rows)

@@ -170,19 +170,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _compiled_flex = None
 
 
-def _flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention  # inside a compiled layer: traced into the layer's graph
-
-
 def flex_attention_fn(device: torch.device):
     """flex_attention, compiled for CUDA (eager flex is a dense reference, only fit for tests)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
-        return flex_attention
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention  # inside a compiled layer it is traced into the layer's graph
     if _compiled_flex is None:
         # dynamic=None: the first shape compiles static kernels, a second shape one dynamic set, so
         # batches of varying length do not recompile every step.
@@ -252,9 +246,8 @@ class DrafterAttention(nn.Module):
         else:
             # flex_attention is no autocast op: give it one dtype (the projections' autocast dtype).
             q, k = q.to(v.dtype), k.to(v.dtype)
-            flex = _flex_attention() if torch.compiler.is_compiling() else flex_attention_fn(q.device)
             block_mask, options = mask
-            out = flex(q, k, v, block_mask=block_mask, enable_gqa=groups > 1, kernel_options=options)
+            out = flex_attention_fn(q.device)(q, k, v, block_mask=block_mask, enable_gqa=groups > 1, kernel_options=options)
         B, _, Q, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, c.num_attention_heads * c.head_dim))
 
