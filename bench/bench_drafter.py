@@ -45,9 +45,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_train import free_memory as free  # noqa: E402
-from bench.bench_train import matmul_peak, sync  # noqa: E402
+from bench.bench_train import collate_with_anchors, matmul_peak, sync, synthetic_items  # noqa: E402
 from dflash import distributed, flops  # noqa: E402
-from dflash.blocks import anchor_seed, sample_anchors  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
 from dflash.step import backward, micro_batch_sums  # noqa: E402
 from dflash.target import default_layer_ids  # noqa: E402
@@ -63,8 +62,21 @@ SHAPES = {
 }
 VARIANTS = {"before": dict(compiled=False, fused_head=False), "fused-head": dict(compiled=False, fused_head=True),
             "compiled": dict(compiled=True, fused_head=False), "after": dict(compiled=True, fused_head=True)}
-GROUPS = (("fc", ("fc.", "hidden_norm.")), ("attention", ("self_attn.q_proj", "self_attn.k_proj",
-          "self_attn.v_proj", "self_attn.o_proj")), ("mlp", (".mlp.",)), ("norms", ("norm.weight",)))
+GROUPS = ("fc", "attention", "mlp", "norms")
+
+
+def group_of(name: str) -> str:
+    """The parameter group of a drafter tensor name: fc (+ its norm), attention projections, MLP, the other norms."""
+    if name.startswith(("fc.", "hidden_norm.")):
+        return "fc"
+    if "_proj." in name:
+        return "mlp" if ".mlp." in name else "attention"
+    return "norms"
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """What the trainer's step runs under on `device` (dflash.train.precision's 'auto')."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class StandInTarget:
@@ -102,28 +114,18 @@ def drafter_config(s: dict, layers: int, block_size: int) -> DrafterConfig:
                          target_layer_ids=default_layer_ids(s["target_layers"], 5), mask_token_id=s["vocab"] - 1)
 
 
-def make_batch(s: dict, device: torch.device, seed: int = 0) -> tuple[dict, list[torch.Tensor]]:
+def make_batch(s: dict, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
     """Random ids, the second half of each sequence supervised; anchors sampled as the trainer samples."""
-    g = torch.Generator().manual_seed(seed)
-    B, T = s["batch"], s["seq"]
-    ids = torch.randint(3, s["vocab"] - 1, (B, T), generator=g)
-    loss_mask = torch.zeros(B, T, dtype=torch.long)
-    loss_mask[:, T // 2:] = 1
-    anchors = [sample_anchors(loss_mask[b], s["anchors"], torch.Generator().manual_seed(anchor_seed(seed, 0, b)))
-               for b in range(B)]
-    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones(B, T, dtype=torch.long)}
-    return {k: v.to(device) for k, v in batch.items()}, anchors
+    return collate_with_anchors(synthetic_items(s["batch"], s["seq"], s["vocab"]), s["anchors"], device)
 
 
-def step_flops(dcfg: DrafterConfig, s: dict, anchors: list[torch.Tensor], batch: dict) -> dict:
+def step_flops(dcfg: DrafterConfig, anchors: list[torch.Tensor], batch: dict) -> dict:
     """Model FLOPs of the drafter micro-batch: forward+loss and backward (dflash.flops' formulas)."""
-    positions = [int(a) for t in anchors for a in t.tolist()]
-    bs = dcfg.block_size
-    drafter = flops.drafter_flops(dcfg, s["batch"] * s["seq"], len(positions) * bs, flops.drafter_pairs(positions, bs))
-    scored = sum(int(batch["loss_mask"][b, a + 1:a + bs].sum()) for b, t in enumerate(anchors) for a in t.tolist())
-    head = flops.head_flops(dcfg, scored)
+    items = [{"input_ids": ids, "loss_mask": mask} for ids, mask in zip(batch["input_ids"].cpu(), batch["loss_mask"].cpu())]
+    drafter, head = flops.drafter_and_head_flops(dcfg, items, anchors)
     return {"forward": drafter / 3 + head / 2, "backward": 2 * drafter / 3 + head / 2, "drafter": drafter,
-            "lm_head": head, "scored_rows": scored, "block_rows": len(positions) * bs}
+            "lm_head": head, "scored_rows": round(head / flops.head_flops(dcfg, 1)),
+            "block_rows": sum(int(a.numel()) for a in anchors) * dcfg.block_size}
 
 
 def new_drafter(dcfg: DrafterConfig, device: torch.device, attention: str, compiled: bool,
@@ -154,7 +156,7 @@ def one_step(drafter, target, batch, anchors, dcfg, autocast: torch.dtype, fused
 def time_variant(name: str, dcfg, target, batch, anchors, args, device, state, peak) -> dict:
     v = VARIANTS[name]
     drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
-    autocast = torch.bfloat16 if device.type == "cuda" else torch.float32
+    autocast = autocast_dtype(device)
     fwd, bwd, added, absolute = [], [], 0, 0
     for rep in range(args.warmup + args.reps):
         drafter.zero_grad(set_to_none=True)
@@ -172,7 +174,7 @@ def time_variant(name: str, dcfg, target, batch, anchors, args, device, state, p
     del drafter
     free(device)
     f, b = statistics.median(fwd), statistics.median(bwd)
-    fl = step_flops(dcfg, args.s, anchors, batch)
+    fl = step_flops(dcfg, anchors, batch)
     row = {"variant": name, **v, "forward_s": f, "backward_s": b, "step_s": f + b,
            "forward_s_all": fwd, "backward_s_all": bwd,
            "tflops": {"forward": fl["forward"] / f / 1e12, "backward": fl["backward"] / b / 1e12,
@@ -191,10 +193,8 @@ def gradients(drafter) -> dict[str, torch.Tensor]:
 def compare(grads: dict, ref: dict) -> dict:
     """Cosine and relative L2 error (|g - ref| / |ref|) per parameter group, and over all parameters."""
     out = {}
-    for group, keys in (*GROUPS, ("all", ("",))):
-        names = [n for n in ref if any(k in n for k in keys)]
-        if group == "norms":
-            names = [n for n in names if "proj" not in n and not n.startswith(("fc.", "hidden_norm."))]
+    for group in (*GROUPS, "all"):
+        names = [n for n in ref if group in ("all", group_of(n))]
         if not names:
             continue
         a = torch.cat([grads[n].flatten() for n in names]).double()
@@ -241,7 +241,7 @@ def numerics(dcfg, target, batch, anchors, args, device, state, names) -> dict:
     out["reference_vs_float64_small_shape"] = compare(r32, r64)["all"]
     del r64, r32
     ref = reference_gradients(dcfg, args.s, target, batch, anchors, device, state)
-    autocast = torch.bfloat16 if device.type == "cuda" else torch.float32
+    autocast = autocast_dtype(device)
     for name in names:
         v = VARIANTS[name]
         drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
@@ -265,7 +265,7 @@ def profile(name, dcfg, target, batch, anchors, args, device, state) -> dict:
 
     v = VARIANTS[name]
     drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
-    autocast = torch.bfloat16 if device.type == "cuda" else torch.float32
+    autocast = autocast_dtype(device)
     for _ in range(2):
         drafter.zero_grad(set_to_none=True)
         one_step(drafter, target, batch, anchors, dcfg, autocast, v["fused_head"], device)
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
             s[key] = arg
     args.s = s
     dcfg = drafter_config(s, args.drafter_layers, args.block_size)
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = autocast_dtype(device)
     target = StandInTarget(s, device, dtype, len(dcfg.target_layer_ids))
     batch, anchors = make_batch(s, device)
     state = {k: v.clone() for k, v in new_drafter(dcfg, device, args.attention, False).state_dict().items()}
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     if gpu:
         peak = matmul_peak(device)
         print(f"bf16 matmul peak: {peak:.0f} TFLOP/s", flush=True)
-    fl = step_flops(dcfg, s, anchors, batch)
+    fl = step_flops(dcfg, anchors, batch)
     print(json.dumps({"shape": args.shape, **s, "attention": args.attention, "flops_tf": {k: v / 1e12 for k, v in fl.items() if "rows" not in k},
                       "scored_rows": fl["scored_rows"], "block_rows": fl["block_rows"]}),
           flush=True)

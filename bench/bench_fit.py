@@ -24,10 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.bench_train import QWEN35_27B, HeadAsCallable, free_memory, large_target, synthetic_items  # noqa: E402
+from bench.bench_train import (QWEN35_27B, HeadAsCallable, collate_with_anchors, free_memory,  # noqa: E402
+                               large_target, synthetic_items)
 from dflash import distributed  # noqa: E402
-from dflash.blocks import anchor_seed, sample_anchors  # noqa: E402
-from dflash.data import collate  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
 from dflash.step import backward, micro_batch_sums  # noqa: E402
 
@@ -35,9 +34,7 @@ from dflash.step import backward, micro_batch_sums  # noqa: E402
 def one_micro_batch(drafter, opt, target, items, max_anchors: int, device) -> int:
     """Forward, backward and AdamW step of one micro-batch; returns the anchors it held."""
     d = distributed.Dist(rank=0, world_size=1, local_rank=0, device=device)
-    batch = {k: v.to(device) for k, v in collate(items, 0).items()}
-    anchors = [sample_anchors(it["loss_mask"], max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))
-               for i, it in enumerate(items)]
+    batch, anchors = collate_with_anchors(items, max_anchors, device)
     sums = micro_batch_sums(drafter, target, batch, anchors, block_size=drafter.config.block_size, gamma=None,
                             autocast_dtype=torch.bfloat16)
     backward(sums, d, grad_accum=1)

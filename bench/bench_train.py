@@ -192,22 +192,26 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
             "final_loss": result.history[-1]["loss"], "losses": [m["loss"] for m in result.history]}
 
 
-def first_micro_batch(target, items, cfg: TrainConfig):
-    """(batch on the device, anchors, drafter config) of the loop's first micro-batch, as the trainer makes them."""
+def collate_with_anchors(items: list[dict], max_anchors: int, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
+    """(batch on the device, anchors) of these items, the anchors sampled as the trainer samples them."""
     from dflash.data import collate
 
-    batch_items = items[: cfg.batch_size]
-    batch = {k: v.to(target.device) for k, v in collate(batch_items, 0).items()}
-    anchors = [sample_anchors(it["loss_mask"], cfg.max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))
-               for i, it in enumerate(batch_items)]
+    batch = {k: v.to(device) for k, v in collate(items, 0).items()}
+    anchors = [sample_anchors(it["loss_mask"], max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))
+               for i, it in enumerate(items)]
+    return batch, anchors
+
+
+def first_micro_batch(target, items, cfg: TrainConfig):
+    """(batch on the device, anchors, drafter config) of the loop's first micro-batch, as the trainer makes them."""
+    batch, anchors = collate_with_anchors(items[: cfg.batch_size], cfg.max_anchors, target.device)
     dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.drafter_layers, block_size=cfg.block_size)
     return batch, anchors, dcfg
 
 
-def batch_flops(target, items, cfg: TrainConfig) -> dict:
-    """model_flops of the first micro-batch (the MFU's numerator when the split is not timed)."""
-    batch, anchors, dcfg = first_micro_batch(target, items, cfg)
-    blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, cfg.block_size,
+def batch_flops(target, batch: dict, anchors: list[torch.Tensor], dcfg: DrafterConfig) -> dict:
+    """model_flops of a micro-batch (the MFU's numerator)."""
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, dcfg.block_size,
                           target.mask_token_id)
     return model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
 
@@ -249,9 +253,7 @@ def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = 
     med = {name: statistics.median(v) for name, v in phases.items()}
     total = sum(med.values())
     tokens = int(batch["attention_mask"].sum())
-    blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, cfg.block_size,
-                          target.mask_token_id)
-    flops = model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
+    flops = batch_flops(target, batch, anchors, dcfg)
     phase_flops = {"target forward": flops["target_forward"], "drafter forward": flops["drafter"] / 3 + flops["lm_head"] / 2,
                    "drafter backward": 2 * flops["drafter"] / 3 + flops["lm_head"] / 2, "optimizer step": 0.0}
     tflops = {name: phase_flops[name] / med[name] / 1e12 for name in phases}
@@ -263,7 +265,7 @@ def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = 
             "tflops": {name: round(v, 1) for name, v in tflops.items()},
             "share_of_peak": {name: round(v / peak, 3) for name, v in tflops.items()} if peak else None,
             "seconds": {name: round(v, 5) for name, v in med.items()},
-            "drafter_params": drafter_params, "anchors": int(blocks.anchor_valid.sum())}
+            "drafter_params": drafter_params, "anchors": sum(int(a.numel()) for a in anchors)}
 
 
 def bench_one(name: str, target, args, device, attention: str, variant: str, peak: float | None) -> dict:
@@ -300,7 +302,7 @@ def _bench_in(name: str, target, args, device, seq: int, out: str, attention: st
            "attention": attention_impl(cfg, device, getattr(target.config, "head_dim", None)), "kernels": target.kernel_report()}
     row["loop"] = throughput(target, items, cfg, args.warmup)
     if args.no_split:
-        row["model_flops"] = batch_flops(target, items, cfg)
+        row["model_flops"] = batch_flops(target, *first_micro_batch(target, items, cfg))
     else:
         row["split"] = time_split(target, items, cfg, args.reps, peak)
     return row
