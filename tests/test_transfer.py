@@ -74,6 +74,26 @@ def test_checksum_mismatch_never_takes_the_real_name(server, tmp_path):
     assert not (dest / "art.tar").exists() and not (dest / ".art.tar.partial").exists()
 
 
+def sessions_of(server) -> list[int]:
+    """Pids of the per-connection processes the loopback sshd has forked (they serve internal-sftp)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == server.proc.pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def wait_for_sessions_to_end(server, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sessions_of(server):
+        assert time.monotonic() < deadline, f"sshd sessions {sessions_of(server)} outlived their client"
+        time.sleep(0.05)
+
+
 def test_killed_client_resumes_from_the_partial(server, tmp_path):
     size = 24 << 20
     src = random_file(tmp_path / "big.tar", size)
@@ -89,6 +109,9 @@ def test_killed_client_resumes_from_the_partial(server, tmp_path):
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    # The host's sftp session still writes the requests already in flight after the client dies; the
+    # partial is what the next run resumes from once that session has ended.
+    wait_for_sessions_to_end(server)
     cut = partial.stat().st_size
     assert 0 < cut < size
     assert not (dest / "big.tar").exists()  # the real name only ever holds a verified file
