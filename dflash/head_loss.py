@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .losses import LOSS_CHUNK_ROWS, position_weights
+from .losses import LOSS_CHUNK_ROWS, block_weights
 
 _compiled = None
 
@@ -97,17 +97,12 @@ def fused_weighted_ce(
     """losses.weighted_ce_from_hidden with the head given as its [V,H] weight (a bias-free Linear):
     (ce_sum [] float32 with a graph, weight [] float32, correct [B,N,bs-1] bool); same loss and gradients
     up to float summation order. The products run in the autocast dtype when autocast is on."""
-    B, N, bs, H = hidden.shape
-    if labels.shape != (B, N, bs - 1) or valid.shape != (B, N, bs - 1):
-        raise ValueError(
-            f"labels and valid must be [B,N,bs-1]={B, N, bs - 1} for hidden {tuple(hidden.shape)}; got "
-            f"{tuple(labels.shape)} and {tuple(valid.shape)}")
+    H = hidden.shape[-1]
+    valid, w = block_weights(hidden, labels, valid, gamma, "hidden")                     # [B,N,bs-1]
     if head_weight.dim() != 2 or head_weight.shape[1] != H:
         raise ValueError(f"head_weight must be [V,{H}], got {tuple(head_weight.shape)}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    valid = valid.bool()
-    w = position_weights(bs, gamma).to(hidden.device).expand(B, N, bs - 1) * valid      # [B,N,bs-1]
     index = valid.flatten().nonzero().squeeze(-1)   # the one host sync of the step: M, the scored rows
     rows = hidden[:, :, 1:, :].reshape(-1, H).index_select(0, index)                    # [M,H]
     targets, row_w = labels.flatten().index_select(0, index), w.flatten().index_select(0, index)

@@ -46,8 +46,20 @@ def position_weights(block_size: int, gamma: float | None = None) -> torch.Tenso
     return torch.exp(-(k - 1) / gamma)
 
 
-def dflash_loss(
-    logits: torch.Tensor,
+def block_weights(scored: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float | None,
+                  what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid as bool, w [B,N,bs-1] float32 = w_k where valid else 0) for `scored` [B,N,bs,X] (`what` names
+    it in the error), after checking that labels and valid are [B,N,bs-1]."""
+    B, N, bs, _ = scored.shape
+    if labels.shape != (B, N, bs - 1) or valid.shape != (B, N, bs - 1):
+        raise ValueError(
+            f"labels and valid must be [B,N,bs-1]={B, N, bs - 1} for {what} {tuple(scored.shape)}; got "
+            f"{tuple(labels.shape)} and {tuple(valid.shape)}")
+    valid = valid.bool()
+    return valid, position_weights(bs, gamma).to(scored.device).expand(B, N, bs - 1) * valid
+
+
+def dflash_loss(    logits: torch.Tensor,
     labels: torch.Tensor,
     valid: torch.Tensor,
     gamma: float | None = None,
@@ -66,14 +78,8 @@ def dflash_loss(
     so a training step that does not need them never waits for the device.
     """
     B, N, bs, V = logits.shape
-    if labels.shape != (B, N, bs - 1) or valid.shape != (B, N, bs - 1):
-        raise ValueError(
-            f"labels and valid must be [B,N,bs-1]={B, N, bs - 1} for logits {tuple(logits.shape)}; got "
-            f"{tuple(labels.shape)} and {tuple(valid.shape)}")
+    valid, w = block_weights(logits, labels, valid, gamma, "logits")                # [B,N,bs-1]
     scored = logits[:, :, 1:, :]                                                    # [B,N,bs-1,V]
-    valid = valid.bool()
-    weights = position_weights(bs, gamma).to(logits.device)                        # [bs-1]
-    w = weights.expand(B, N, bs - 1) * valid                                       # [B,N,bs-1]
 
     # CE only where valid: labels elsewhere may be padding ids outside the vocabulary.
     ce = torch.zeros(B, N, bs - 1, dtype=torch.float32, device=logits.device)
@@ -133,17 +139,11 @@ def weighted_ce_from_hidden(
     `chunk_rows` rows at a time, each chunk under activation checkpointing: its [rows, V] logits exist
     in the forward only while its cross-entropy is taken and are recomputed in the backward.
     """
-    B, N, bs, _ = hidden.shape
-    if labels.shape != (B, N, bs - 1) or valid.shape != (B, N, bs - 1):
-        raise ValueError(
-            f"labels and valid must be [B,N,bs-1]={B, N, bs - 1} for hidden {tuple(hidden.shape)}; got "
-            f"{tuple(labels.shape)} and {tuple(valid.shape)}")
+    valid, w = block_weights(hidden, labels, valid, gamma, "hidden")                     # [B,N,bs-1]
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     from torch.utils.checkpoint import checkpoint
 
-    valid = valid.bool()
-    w = position_weights(bs, gamma).to(hidden.device).expand(B, N, bs - 1) * valid      # [B,N,bs-1]
     rows, targets, row_w = hidden[:, :, 1:, :][valid], labels[valid], w[valid]           # [M,H], [M], [M]
     predicted = torch.empty_like(targets)
     total = hidden.sum() * 0.0  # keeps a graph when nothing is valid
