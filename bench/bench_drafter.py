@@ -50,6 +50,7 @@ from dflash import distributed, flops  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
 from dflash.step import backward, micro_batch_sums  # noqa: E402
 from dflash.target import default_layer_ids  # noqa: E402
+from dflash.train import auto_precision  # noqa: E402
 
 SHAPES = {
     # Qwen3.5-27B's attention layers (the drafter copies them), its vocabulary and 64 layers; 2 x 4096 tokens
@@ -72,11 +73,6 @@ def group_of(name: str) -> str:
     if "_proj." in name:
         return "mlp" if ".mlp." in name else "attention"
     return "norms"
-
-
-def autocast_dtype(device: torch.device) -> torch.dtype:
-    """What the trainer's step runs under on `device` (dflash.train.precision's 'auto')."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class StandInTarget:
@@ -156,7 +152,7 @@ def one_step(drafter, target, batch, anchors, dcfg, autocast: torch.dtype, fused
 def time_variant(name: str, dcfg, target, batch, anchors, args, device, state, peak) -> dict:
     v = VARIANTS[name]
     drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
-    autocast = autocast_dtype(device)
+    autocast = auto_precision(device)
     fwd, bwd, added, absolute = [], [], 0, 0
     for rep in range(args.warmup + args.reps):
         drafter.zero_grad(set_to_none=True)
@@ -241,7 +237,7 @@ def numerics(dcfg, target, batch, anchors, args, device, state, names) -> dict:
     out["reference_vs_float64_small_shape"] = compare(r32, r64)["all"]
     del r64, r32
     ref = reference_gradients(dcfg, args.s, target, batch, anchors, device, state)
-    autocast = autocast_dtype(device)
+    autocast = auto_precision(device)
     for name in names:
         v = VARIANTS[name]
         drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
@@ -265,7 +261,7 @@ def profile(name, dcfg, target, batch, anchors, args, device, state) -> dict:
 
     v = VARIANTS[name]
     drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
-    autocast = autocast_dtype(device)
+    autocast = auto_precision(device)
     for _ in range(2):
         drafter.zero_grad(set_to_none=True)
         one_step(drafter, target, batch, anchors, dcfg, autocast, v["fused_head"], device)
@@ -351,7 +347,7 @@ def main(argv=None) -> int:
             s[key] = arg
     args.s = s
     dcfg = drafter_config(s, args.drafter_layers, args.block_size)
-    dtype = autocast_dtype(device)
+    dtype = auto_precision(device)
     target = StandInTarget(s, device, dtype, len(dcfg.target_layer_ids))
     batch, anchors = make_batch(s, device)
     state = {k: v.clone() for k, v in new_drafter(dcfg, device, args.attention, False).state_dict().items()}

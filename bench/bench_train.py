@@ -62,7 +62,7 @@ from dflash.masks import drafter_attention_mask  # noqa: E402
 from dflash.model import Drafter, DrafterConfig  # noqa: E402
 from dflash.step import backward, micro_batch_sums  # noqa: E402
 from dflash.target import Target  # noqa: E402
-from dflash.train import attention_impl, compile_layers, precision, train  # noqa: E402
+from dflash.train import attention_impl, auto_precision, compile_layers, precision, train  # noqa: E402
 
 # Qwen3.5-27B's text model (shared/research: 64 layers, 3 GatedDeltaNet : 1 full attention).
 QWEN35_27B = dict(hidden=5120, layers=64, vocab=248320, intermediate=17408, heads=24, kv_heads=4, head_dim=256,
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
                                 ("hidden", 2048, 256), ("layers", 16, 4), ("vocab", 151936, 8192)):
         if getattr(args, key) is None:
             setattr(args, key, on_gpu if gpu else on_cpu)
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = auto_precision(device)
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
     attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
     for name in presets:

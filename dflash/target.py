@@ -339,9 +339,8 @@ class Target:
     def head_weight(self) -> torch.Tensor | None:
         """The LM head's [V,H] weight when the head is a bias-free Linear (every Qwen3 and Qwen3.5), else
         None: the training step fuses the head with its loss (dflash.head_loss) only through this weight."""
-        weight = getattr(self._head, "weight", None)
         plain = isinstance(self._head, torch.nn.Linear) and self._head.bias is None
-        return weight if plain and weight is not None and weight.dim() == 2 else None
+        return self._head.weight if plain else None
 
     def _run(self, input_ids, attention_mask=None, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder pass: ([B,T,H] last hidden after the final norm, [B,T,k*H] tapped states).

@@ -75,10 +75,15 @@ def compile_layers(config: TrainConfig, device: torch.device) -> bool:
     return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
 
 
+def auto_precision(device: torch.device) -> torch.dtype:
+    """--precision auto on `device`: bf16 on a GPU, float32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def precision(config: TrainConfig, device: torch.device) -> torch.dtype:
     """--precision resolved for `device`: the autocast dtype of the drafter and the dtype of the target."""
     if config.precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_precision(device)
     return torch.bfloat16 if config.precision == "bf16" else torch.float32
 
 
