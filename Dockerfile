@@ -97,7 +97,7 @@ FROM toolkit-${TOOLKIT_KIND} AS toolkit
 FROM toolkit AS wheel-build
 ARG TARGET=cu128-sm120
 # Fixed so that the wheel's timestamps never depend on the build date. `python -m images wheels` always
-# passes it: $SOURCE_DATE_EPOCH when set, else wheelbuilder.fsutil.DEFAULT_SOURCE_DATE_EPOCH (this value).
+# passes it: $SOURCE_DATE_EPOCH when set, else common.fsutil.DEFAULT_SOURCE_DATE_EPOCH (this value).
 ARG SOURCE_DATE_EPOCH=1735689600
 # Empty: sized from cores and free memory (wheelbuilder.toolkit.plan_jobs). Set to lower peak memory.
 ARG MAX_JOBS=
@@ -113,6 +113,7 @@ ENV SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH} \
     WHEELBUILDER_CACHE=/root/.cache/wheelbuilder
 WORKDIR /src
 COPY targets.toml pyproject.toml ./
+COPY common ./common
 COPY wheelbuilder ./wheelbuilder
 RUN --mount=type=cache,id=dflash-ccache,target=/root/.cache/ccache \
     --mount=type=cache,id=wheelbuilder-sdist,target=/root/.cache/wheelbuilder \
@@ -155,6 +156,7 @@ RUN --mount=type=secret,id=ca \
  && pip install --progress-bar off --require-hashes -r /opt/dflash/locks/runtime.txt
 # The project itself (pure Python; its dependencies are all in the lock above).
 COPY pyproject.toml README.md targets.toml /opt/dflash/src/
+COPY common /opt/dflash/src/common
 COPY wheelbuilder /opt/dflash/src/wheelbuilder
 COPY images /opt/dflash/src/images
 COPY dflash /opt/dflash/src/dflash

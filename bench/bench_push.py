@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from images import export, transfer  # noqa: E402
-from wheelbuilder.fsutil import sha256_file  # noqa: E402
+from common.fsutil import sha256_file  # noqa: E402
 from pct_double import sshd  # noqa: E402
 from pct_double.demo_image import demo_image  # noqa: E402
 

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 from .errors import DataError
 

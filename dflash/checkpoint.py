@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 from .config import TrainConfig
 from .errors import CheckpointError

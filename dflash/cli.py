@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from wheelbuilder.cliutil import DefaultsOnceHelpFormatter, add_version, project_version
+from common.cli import DefaultsOnceHelpFormatter, add_version, project_version
 
 from .config import add_arguments, from_args
 from .errors import ConfigError, DflashError

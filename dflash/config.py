@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 from .errors import ConfigError
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 from .errors import DrafterError
 from .model import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig

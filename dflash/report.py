@@ -154,7 +154,7 @@ def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config
 
 def write_report(run_dir) -> Path:
     """Plots and report.md into <run_dir>/report; returns the report.md path."""
-    from wheelbuilder.fsutil import atomic_write
+    from common.fsutil import atomic_write
 
     run_dir = Path(run_dir)
     train, evals = read_records(run_dir)

@@ -17,8 +17,8 @@ import argparse
 import importlib
 import sys
 
-from wheelbuilder.cliutil import DefaultsOnceHelpFormatter, add_version
-from wheelbuilder.errors import run_cli
+from common.cli import DefaultsOnceHelpFormatter, add_version
+from common.cli import run_cli
 
 # Modules that add their own subcommands through `register(subparsers)`.
 SUBCOMMAND_MODULES = ("images.build", "images.pins", "images.export", "images.push", "images.publish",

@@ -13,8 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from wheelbuilder.cmd import echo, run
-from wheelbuilder.fsutil import source_date_epoch
+from common.cmd import echo, run
+from common.fsutil import source_date_epoch
 
 from .engine import client, image_exists
 from .errors import EngineError

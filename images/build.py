@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wheelbuilder import targets as tg
-from wheelbuilder.cmd import echo, run
+from common.cmd import echo, run
 from wheelbuilder.errors import BuildError, ConfigurationError
-from wheelbuilder.fsutil import DIST_WHEELS, LOGS, REPO_ROOT, exclusive, source_date_epoch
+from common.fsutil import DIST_WHEELS, LOGS, REPO_ROOT, exclusive, source_date_epoch
 
 from .engine import ca_bundle, docker_cli, ensure_engine, ensure_free_space, image_exists
 
@@ -57,7 +57,9 @@ def git_revision() -> str:
 def base_args(target: tg.Target, torch_env_from: str) -> dict[str, str]:
     """Build args shared by every stage; `torch_env_from` is the OS stage python-torch starts from
     (builder-os or runtime-os: the same image for every target now, so the torch layer is shared)."""
-    from wheelbuilder.lock import image_pin, require_locks
+    from wheelbuilder.lock import require_locks
+
+    from .pin_file import image_pin
 
     require_locks(target)
     args = {

@@ -14,9 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from wheelbuilder.cmd import echo, run
+from common.cmd import echo, run
 from wheelbuilder.errors import ToolchainError
-from wheelbuilder.fsutil import LOGS
+from common.fsutil import LOGS
 
 from .errors import EngineError
 

@@ -1,11 +1,13 @@
 """The errors of the `dflash-images` program (`python -m images`), each with its own exit code.
 
-The images program drives wheelbuilder (targets, the subprocess wrapper, the build lock), so it raises
-wheelbuilder's errors as well as its own. `ImagesError` therefore subclasses wheelbuilder's `FatalError`
-and the two families share one range of exit codes: `__main__.main()` runs the commands under
-`wheelbuilder.errors.run_cli`, which catches `FatalError`, prints the message and exits with its code.
+The images program drives wheelbuilder (targets, builds) and the shared primitives (the subprocess
+wrapper, the directory lock), so it raises their errors as well as its own. `ImagesError` therefore
+subclasses `common.errors.FatalError` and the families share one range of exit codes: `__main__.main()`
+runs the commands under `common.cli.run_cli`, which catches `FatalError`, prints the message and exits
+with its code.
 
-    1-7    wheelbuilder.errors   configuration (2), toolchain (3), source (4), build (5), audit (6), busy (7)
+    1-7    common.errors, wheelbuilder.errors   configuration (2), toolchain (3), source (4), build (5),
+                                                audit (6), busy (7)
     8      EngineError           no Docker engine, or not enough room on its disk
     9      ExportError           the image cannot be exported (missing image or tool, wrong media types)
     10     TransferError         the SSH host is unreachable, refused, or the upload did not verify
@@ -22,11 +24,11 @@ Each message says what failed, the values seen, and what to do next.
 
 from __future__ import annotations
 
-from wheelbuilder.errors import FatalError
+from common.errors import FatalError
 
 
 class ImagesError(FatalError):
-    """A failure of the images program that is not one of wheelbuilder's."""
+    """A failure of the images program that is not one of the shared ones."""
 
 
 class EngineError(ImagesError):

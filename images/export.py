@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wheelbuilder.fsutil import source_date_epoch
+from common.fsutil import source_date_epoch
 
 from .errors import ExportError
 from .imageinfo import inspect_image
@@ -92,6 +92,6 @@ def register(subparsers) -> None:
     p.add_argument("--out-dir", default=str(DEFAULT_OUT))
     p.add_argument("--source-date-epoch", type=int, default=None,
                    help="mtime of every template entry (default: $SOURCE_DATE_EPOCH or "
-                        "wheelbuilder.fsutil.DEFAULT_SOURCE_DATE_EPOCH, 2025-01-01)")
+                        "common.fsutil.DEFAULT_SOURCE_DATE_EPOCH, 2025-01-01)")
     p.add_argument("--zstd-level", type=int, default=10)
     p.set_defaults(func=_cmd_export)

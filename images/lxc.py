@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 from .errors import LxcError
 

@@ -17,7 +17,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from wheelbuilder.cmd import require_tool
+from common.cmd import require_tool
 
 from .errors import ExportError
 from .imageinfo import ImageInfo

@@ -1,6 +1,6 @@
 """The registry images a builder copies nvcc from (`[toolkits.*] kind = "image"`), pinned by digest.
 
-targets.toml names the devel image by tag; locks/images.toml (wheelbuilder.lock) records its digest.
+targets.toml names the devel image by tag; locks/images.toml (images/pin_file.py) records its digest.
 Before a build of such a target:
 
     pinned      the local image must carry repository@digest among its RepoDigests; if it does not, it
@@ -17,11 +17,11 @@ build without one.
 
 from __future__ import annotations
 
-from wheelbuilder import lock
 from wheelbuilder import targets as tg
-from wheelbuilder.cmd import echo, run
+from common.cmd import echo, run
 from wheelbuilder.errors import FatalError, ToolchainError
 
+from . import pin_file
 from .engine import client, docker_cli, ensure_engine, image_exists
 
 
@@ -34,11 +34,11 @@ def repo_digests(ref: str) -> list[str]:
     out = []
     for entry in client().images.get(ref).attrs.get("RepoDigests") or []:
         repo, _, digest = entry.partition("@")
-        out.append(f"{lock.normalize_repository(repo)}@{digest}")
+        out.append(f"{pin_file.normalize_repository(repo)}@{digest}")
     return out
 
 
-def check_repo_digests(pin: lock.ImagePin, digests: list[str]) -> None:
+def check_repo_digests(pin: pin_file.ImagePin, digests: list[str]) -> None:
     """Refuse a local image whose RepoDigests do not hold the pinned digest."""
     want = f"{pin.repository}@{pin.digest}"
     if want not in digests:
@@ -69,7 +69,7 @@ def ensure_toolkit_image(target: tg.Target, catalog: tg.Catalog | None = None) -
     """The devel image of an image-kind target, present locally and checked against its pin; returns the
     reference a build names it by (repository:tag@sha256:…). Records the digest when none is pinned yet."""
     catalog = catalog or tg.load()
-    pin = lock.image_pin(target)
+    pin = pin_file.image_pin(target)
     if pin.digest:
         local = f"{pin.repository}@{pin.digest}"  # how the engine names an image by digest
         if not image_exists(local):
@@ -80,13 +80,13 @@ def ensure_toolkit_image(target: tg.Target, catalog: tg.Catalog | None = None) -
     if not image_exists(pin.ref):
         _pull(pin.ref, target, catalog)
     digest = _registry_digest(pin)
-    pin = lock.record_image_pin(pin.ref, digest)
+    pin = pin_file.record_image_pin(pin.ref, digest)
     echo(f"{pin.ref} had no pinned digest: recorded {digest} (of the image on this engine) in "
          "locks/images.toml; commit it, and every later build checks against it")
     return pin.by_digest
 
 
-def _registry_digest(pin: lock.ImagePin) -> str:
+def _registry_digest(pin: pin_file.ImagePin) -> str:
     digests = [d.partition("@")[2] for d in repo_digests(pin.ref) if d.startswith(pin.repository + "@")]
     if not digests:
         raise ToolchainError(
@@ -96,15 +96,15 @@ def _registry_digest(pin: lock.ImagePin) -> str:
     return digests[0]
 
 
-def pin_images(catalog: tg.Catalog | None = None) -> list[lock.ImagePin]:
+def pin_images(catalog: tg.Catalog | None = None) -> list[pin_file.ImagePin]:
     """Pull every devel image by tag and record the digest the registry serves for it now."""
     catalog = catalog or tg.load()
     ensure_engine()
     pinned = []
-    for ref in lock.images_to_pin(catalog):
+    for ref in pin_file.images_to_pin(catalog):
         target = next(t for t in catalog.targets.values() if t.toolkit.image == ref)
         _pull(ref, target, catalog)
-        pin = lock.record_image_pin(ref, _registry_digest(lock.ImagePin(ref, None)))
+        pin = pin_file.record_image_pin(ref, _registry_digest(pin_file.ImagePin(ref, None)))
         echo(f"pinned {pin.ref} to {pin.digest}")
         pinned.append(pin)
     return pinned

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from wheelbuilder.fsutil import atomic_write, sha256_file
+from common.fsutil import atomic_write, sha256_file
 
 from . import export, transfer
 from .errors import ExportError, PushError, TransferError

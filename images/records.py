@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from wheelbuilder.fsutil import atomic_write, sha256_file
+from common.fsutil import atomic_write, sha256_file
 
 from .errors import ExportError
 from .imageinfo import ImageInfo

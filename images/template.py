@@ -30,8 +30,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from wheelbuilder.cmd import require_tool
-from wheelbuilder.fsutil import source_date_epoch
+from common.cmd import require_tool
+from common.fsutil import source_date_epoch
 
 from .errors import ExportError
 from .imageinfo import ImageInfo, docker_client

@@ -24,7 +24,7 @@ from pathlib import Path
 import paramiko
 from tqdm import tqdm
 
-from wheelbuilder.fsutil import sha256_file
+from common.fsutil import sha256_file
 
 from .errors import HostKeyError, TransferError
 
@@ -250,7 +250,7 @@ def main_send(argv: list[str] | None = None) -> int:
     """`python -m images.transfer HOST FILE DIR [...]`: one upload (used by tests to kill a client).
     Errors print their message and exit with their code (images/errors.py): 10 transfer, 11 host key;
     Ctrl-C 130, SIGTERM 143 (the host keeps .NAME.partial, the next run resumes it)."""
-    from wheelbuilder.errors import run_cli
+    from common.cli import run_cli
 
     return run_cli("images.transfer", lambda: _send(argv),
                    "interrupted; the host keeps the partial upload and the next run resumes it.")

@@ -21,7 +21,7 @@ import pytest
 
 from bad_input import assert_clear_failure, snapshot
 from wheelbuilder.__main__ import main
-from wheelbuilder.fsutil import exclusive
+from common.fsutil import exclusive
 from wheelbuilder.targets import load
 from wheelbuilder.wheelfile import BUILD_INFO, build_info, repack_deterministic
 

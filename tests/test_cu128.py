@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from images import pin_file as pf
 from wheelbuilder import lock as lk
 from wheelbuilder import targets as tg
 from wheelbuilder.errors import ToolchainError
@@ -42,8 +43,8 @@ def target() -> tg.Target:
 def pins_file(tmp_path, monkeypatch) -> Path:
     """locks/images.toml redirected to a temporary copy, so tests can pin and unpin freely."""
     path = tmp_path / "images.toml"
-    path.write_text(lk.IMAGES_FILE.read_text())
-    monkeypatch.setattr(lk, "IMAGES_FILE", path)
+    path.write_text(pf.IMAGES_FILE.read_text())
+    monkeypatch.setattr(pf, "IMAGES_FILE", path)
     return path
 
 
@@ -75,8 +76,8 @@ def test_builder_args_name_the_devel_image_by_its_pin_and_every_arg_is_declared(
     assert re.search(r"^FROM \$\{CUDA_IMAGE\} AS cuda-image$", text, re.M)
     assert re.search(rf"^ARG CUDA_IMAGE={re.escape(DEVEL)}$", text, re.M)  # the default target's image
     # Unpinned: the plan names the tag (the first pull records the digest); pinned: the digest.
-    assert args["CUDA_IMAGE"] == (lk.image_pin(target).by_digest if lk.image_pin(target).digest else DEVEL)
-    lk.record_image_pin(DEVEL, DIGEST)
+    assert args["CUDA_IMAGE"] == (pf.image_pin(target).by_digest if pf.image_pin(target).digest else DEVEL)
+    pf.record_image_pin(DEVEL, DIGEST)
     assert wheels_spec(target, Path("/tmp/out")).build_args["CUDA_IMAGE"] == f"{DEVEL}@{DIGEST}"
 
 
@@ -90,7 +91,7 @@ def test_pypi_targets_never_name_a_devel_image(pins_file):
 def test_repo_digests_must_hold_the_pinned_digest():
     from images.pins import check_repo_digests
 
-    pin = lk.ImagePin(DEVEL, DIGEST)
+    pin = pf.ImagePin(DEVEL, DIGEST)
     check_repo_digests(pin, [f"nvidia/cuda@{DIGEST}", "mirror.example/cuda@sha256:" + "0" * 64])
     other = "sha256:" + "1" * 64
     with pytest.raises(ToolchainError, match=rf"not the pinned one: its RepoDigests are nvidia/cuda@{other}; "
@@ -107,11 +108,11 @@ def test_first_pull_records_the_digest_and_later_builds_check_it(target, pins_fi
     local = {DEVEL: [f"docker.io/nvidia/cuda@{DIGEST}"]}
     pulled = []
     monkeypatch.setattr(pins, "image_exists", lambda ref: ref in local or ref == f"nvidia/cuda@{DIGEST}")
-    monkeypatch.setattr(pins, "repo_digests", lambda ref: [lk.normalize_repository(d) for d in local[DEVEL]])
+    monkeypatch.setattr(pins, "repo_digests", lambda ref: [pf.normalize_repository(d) for d in local[DEVEL]])
     monkeypatch.setattr(pins, "_pull", lambda ref, t, c: pulled.append(ref))
-    lk.write_image_pins({DEVEL: lk.ImagePin(DEVEL, None)})
+    pf.write_image_pins({DEVEL: pf.ImagePin(DEVEL, None)})
     assert pins.ensure_toolkit_image(target) == f"{DEVEL}@{DIGEST}"
-    assert lk.read_image_pins()[DEVEL].digest == DIGEST and pulled == []
+    assert pf.read_image_pins()[DEVEL].digest == DIGEST and pulled == []
     assert pins.ensure_toolkit_image(target) == f"{DEVEL}@{DIGEST}"  # now verified against the pin
     local[DEVEL] = ["nvidia/cuda@sha256:" + "2" * 64]  # the engine's copy is other bytes
     with pytest.raises(ToolchainError, match="not the pinned one"):
@@ -129,7 +130,7 @@ def test_an_unpullable_devel_image_fails_at_once_naming_it_why_and_the_registry_
     text = (REPO / "targets.toml").read_text().replace(f'image = "{DEVEL}"', f'image = "{image}"')
     (tmp_path / "targets.toml").write_text(text)
     catalog = tg.load(tmp_path / "targets.toml")
-    lk.write_image_pins({image: lk.ImagePin(image, None)})
+    pf.write_image_pins({image: pf.ImagePin(image, None)})
     started = time.monotonic()
     with pytest.raises(ToolchainError) as e:
         ensure_toolkit_image(catalog.target("cu128-sm120"), catalog)
@@ -138,7 +139,7 @@ def test_an_unpullable_devel_image_fails_at_once_naming_it_why_and_the_registry_
     assert f"cannot pull {image}" in message and "nvcc 12.8.1" in message
     assert "no PyPI wheel or Debian release carries" in message
     assert "cu130-sm120, cu130-sm90" in message and "make wheels TARGET=cu130-sm120" in message
-    assert lk.read_image_pins()[image].digest is None  # nothing recorded from a failed pull
+    assert pf.read_image_pins()[image].digest is None  # nothing recorded from a failed pull
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ def test_runtime_env_stage_builds_on_the_offline_base_and_passes_the_versions_ch
     install, `dflash doctor --quick` at build time) is the one the cu130 image tests run."""
     from images.build import BuildSpec, _prepare, base_args
     from images.engine import client
-    from wheelbuilder.cmd import run
+    from common.cmd import run
 
     tag = f"dflash-train-env:cu128-sm120-{uuid.uuid4().hex[:8]}"
     log = _prepare(target, "the cu128 runtime environment", "runtime-env-cu128-sm120.log")

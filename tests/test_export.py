@@ -12,7 +12,7 @@ import pytest
 from images import export, imageinfo, oci, records, template
 from images.errors import ExportError
 from pct_double.demo_image import demo_image
-from wheelbuilder.fsutil import sha256_file
+from common.fsutil import sha256_file
 
 
 def _info(**kw):

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from wheelbuilder.errors import BusyError, ConfigurationError
-from wheelbuilder.fsutil import (DEFAULT_SOURCE_DATE_EPOCH, atomic_write, exclusive, sha256_file,
+from common.fsutil import (DEFAULT_SOURCE_DATE_EPOCH, atomic_write, exclusive, sha256_file,
                                  source_date_epoch)
 
 

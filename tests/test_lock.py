@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from images import pin_file as pf
 from wheelbuilder import lock as lk
 from wheelbuilder import targets as tg
 from wheelbuilder.errors import ConfigurationError
@@ -121,25 +122,25 @@ DIGEST = "sha256:" + "ab" * 32
 
 def test_committed_image_pins_cover_every_image_toolkit_and_say_their_state():
     """Each devel image a target copies nvcc from has an entry: a digest, or the explicit "unpinned"."""
-    pins = lk.read_image_pins()
-    assert sorted(pins) == lk.images_to_pin(tg.load()) == ["nvidia/cuda:12.8.1-devel-ubuntu24.04"]
-    text = lk.IMAGES_FILE.read_text()
+    pins = pf.read_image_pins()
+    assert sorted(pins) == pf.images_to_pin(tg.load()) == ["nvidia/cuda:12.8.1-devel-ubuntu24.04"]
+    text = pf.IMAGES_FILE.read_text()
     for ref, pin in pins.items():
         assert (pin.digest is None and 'digest = "unpinned"' in text) or pin.digest.startswith("sha256:")
 
 
 def test_image_pin_round_trip_and_reference_by_digest(tmp_path):
     path = tmp_path / "images.toml"
-    lk.write_image_pins({"nvidia/cuda:12.8.1-devel-ubuntu24.04": lk.ImagePin("nvidia/cuda:12.8.1-devel-ubuntu24.04", None)}, path)
-    pin = lk.read_image_pins(path)["nvidia/cuda:12.8.1-devel-ubuntu24.04"]
+    pf.write_image_pins({"nvidia/cuda:12.8.1-devel-ubuntu24.04": pf.ImagePin("nvidia/cuda:12.8.1-devel-ubuntu24.04", None)}, path)
+    pin = pf.read_image_pins(path)["nvidia/cuda:12.8.1-devel-ubuntu24.04"]
     assert pin.digest is None
     with pytest.raises(ConfigurationError, match="no digest.*make pin-images"):
         pin.by_digest
-    pin = lk.record_image_pin("nvidia/cuda:12.8.1-devel-ubuntu24.04", DIGEST, path)
-    again = lk.read_image_pins(path)["nvidia/cuda:12.8.1-devel-ubuntu24.04"]
+    pin = pf.record_image_pin("nvidia/cuda:12.8.1-devel-ubuntu24.04", DIGEST, path)
+    again = pf.read_image_pins(path)["nvidia/cuda:12.8.1-devel-ubuntu24.04"]
     assert again == pin and again.pinned_on
     assert again.by_digest == f"nvidia/cuda:12.8.1-devel-ubuntu24.04@{DIGEST}" and again.repository == "nvidia/cuda"
-    assert lk.normalize_repository("docker.io/library/debian") == "debian"
+    assert pf.normalize_repository("docker.io/library/debian") == "debian"
 
 
 @pytest.mark.parametrize("entry,says", [
@@ -151,16 +152,16 @@ def test_bad_image_pins_name_the_fix(tmp_path, entry, says):
     path = tmp_path / "images.toml"
     path.write_text(f'["nvidia/cuda:12.8.1-devel-ubuntu24.04"]\n{entry}\n')
     with pytest.raises(ConfigurationError, match=says + ".*make pin-images"):
-        lk.read_image_pins(path)
+        pf.read_image_pins(path)
 
 
 def test_a_target_without_an_image_pin_entry_is_refused(tmp_path):
     path = tmp_path / "images.toml"
     path.write_text('["nvidia/cuda:12.9.0-devel-ubuntu24.04"]\ndigest = "unpinned"\n')
     with pytest.raises(ConfigurationError, match="no entry for nvidia/cuda:12.8.1-devel-ubuntu24.04.*make pin-images"):
-        lk.image_pin(tg.load().target(None), path)
+        pf.image_pin(tg.load().target(None), path)
     with pytest.raises(ConfigurationError, match="pins no registry image"):
-        lk.image_pin(tg.load().target("cu130-sm120"), path)
+        pf.image_pin(tg.load().target("cu130-sm120"), path)
 
 
 def test_common_lock_holds_torch_and_its_cuda_libraries_and_nothing_stage_specific():

@@ -124,7 +124,7 @@ def test_a_failed_write_leaves_the_old_manifest_whole(tmp_path, monkeypatch):
     def disk_full(*_args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("wheelbuilder.fsutil.os.replace", disk_full)  # the shared atomic write
+    monkeypatch.setattr("common.fsutil.os.replace", disk_full)  # the shared atomic write
     with pytest.raises(OSError, match="No space left"):
         write_manifest(tmp_path, [make_entry(tmp_path, B, b"new")])
     assert (tmp_path / MANIFEST).read_bytes() == before

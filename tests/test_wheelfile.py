@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from wheelbuilder.errors import AuditError, BuildError
-from wheelbuilder.fsutil import sha256_file
+from common.fsutil import sha256_file
 from wheelbuilder.targets import load
 from wheelbuilder.wheelfile import (BUILD_INFO, build_info, read_build_info, record_hash, repack_deterministic,
                                     verify_record, zip_date_time)
@@ -180,7 +180,7 @@ def test_a_failed_write_leaves_the_old_wheel_whole(two_sources, tmp_path, monkey
     def disk_full(*_args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("wheelbuilder.fsutil.os.replace", disk_full)
+    monkeypatch.setattr("common.fsutil.os.replace", disk_full)
     with pytest.raises(OSError, match="No space left"):
         repack_deterministic(two_sources[1], out.parent, extra_files={"x": b"1"}, source_date_epoch=EPOCH)
     assert out.read_bytes() == before and [p.name for p in out.parent.iterdir()] == [NAME]

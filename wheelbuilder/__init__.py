@@ -4,4 +4,3 @@ Flow (one direction): targets.toml -> plan -> fetch pinned sdist -> patch arch f
 audit the extension's fatbin -> deterministic wheel -> dist/wheels/<target>/ + manifest.json.
 """
 
-__version__ = "0.1.0"

@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 
 from . import targets as tg
-from .cliutil import DefaultsOnceHelpFormatter, add_version
-from .errors import FatalError, run_cli
-from .fsutil import DIST_WHEELS, REPO_ROOT
+from common.cli import DefaultsOnceHelpFormatter, add_version
+from common.cli import run_cli
+
+from .errors import FatalError
+from common.fsutil import DIST_WHEELS, REPO_ROOT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -134,7 +136,7 @@ def main_inner(argv: list[str] | None = None) -> int:
         print("\n".join(lines) if lines else f"{args.a} and {args.b} are identical")
         return 1 if lines else 0
     if args.command == "prepare-toolkit":
-        from .fsutil import source_date_epoch
+        from common.fsutil import source_date_epoch
         from .toolkit import clamp_mtimes, find_cuda_home, header_roots, pip_cuda_home, prepare_pip_cuda_home
 
         home = pip_cuda_home()

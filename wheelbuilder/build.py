@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import recipes as rcp
-from .cmd import echo, run
+from common.cmd import echo, run
 from .errors import BuildError
-from .fsutil import exclusive, sha256_file, source_date_epoch
+from common.fsutil import exclusive, sha256_file, source_date_epoch
 from .targets import Recipe, Target
 from .toolkit import DetectedToolchain, check_toolchain, pip_cuda_home, plan_jobs, prepare_pip_cuda_home
 from .toolkit import system_packages as distro_packages

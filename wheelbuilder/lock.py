@@ -14,13 +14,12 @@ files are the same whichever machine runs `make lock`, as long as it reaches the
 cu128 index) is locked only when its target is named (`make lock TARGET=cu128-sm120-torch2.11`), so a
 machine that reaches PyPI alone can always refresh the others.
 
-locks/images.toml holds the digests of the registry images a builder copies nvcc from (`make
-pin-images` records them; this module reads and writes the file, images/pins.py talks to the registry).
+locks/images.toml (the digests of the registry images a builder copies nvcc from) belongs to the image
+side: images/pin_file.py reads and writes it, images/pins.py talks to the registry.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import shutil
@@ -31,15 +30,13 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from .cmd import run
+from common.cmd import run
 from .errors import ConfigurationError, FatalError, ToolchainError
 from .targets import PYPI_INDEX, REPO_ROOT, Catalog, Target
 
 LOCKS = REPO_ROOT / "locks"
 PLATFORM = "x86_64-manylinux_2_28"
 LOCK_FILES = ("common.txt", "builder.txt", "runtime.txt")
-IMAGES_FILE = LOCKS / "images.toml"
-UNPINNED = "unpinned"
 
 
 def _compile(req: Path, python: str, index: str, out: Path, constraints: Path | None = None) -> None:
@@ -193,108 +190,3 @@ def require_locks(target: Target) -> Path:
                 f"`make lock TARGET={target.name}` on a machine that reaches that index, and commit it."
             )
     return folder
-
-
-# ---------------------------------------------------------------------------------------------------
-# Registry image pins (locks/images.toml)
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ImagePin:
-    """One registry image by tag, and the digest it is built from (None: not recorded yet)."""
-
-    ref: str  # repository:tag, as targets.toml names it
-    digest: str | None  # sha256:<64 hex>
-    pinned_on: str | None = None  # YYYY-MM-DD the digest was read from the registry
-
-    @property
-    def repository(self) -> str:
-        """nvidia/cuda (the Docker Hub names with and without docker.io/ and library/ are one)."""
-        return normalize_repository(self.ref.rsplit(":", 1)[0])
-
-    @property
-    def by_digest(self) -> str:
-        """repository:tag@sha256:…: what a build pulls and names in FROM (the tag only documents)."""
-        if not self.digest:
-            raise ConfigurationError(f"{self.ref} has no digest in locks/images.toml; "
-                                     "record one with `make pin-images`.")
-        return f"{self.ref}@{self.digest}"
-
-
-def normalize_repository(name: str) -> str:
-    for prefix in ("docker.io/", "index.docker.io/", "registry-1.docker.io/"):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    return name.removeprefix("library/")
-
-
-def read_image_pins(path: Path | None = None) -> dict[str, ImagePin]:
-    """{tag reference: pin}; every entry has digest = "sha256:…" or the explicit "unpinned"."""
-    path = path or IMAGES_FILE
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigurationError(f"{path} does not exist; `make pin-images` writes it.") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigurationError(f"{path}: not valid TOML: {e}.") from None
-    pins = {}
-    for ref, entry in data.items():
-        where = f'{path.name} ["{ref}"]'
-        if not isinstance(entry, dict) or set(entry) - {"digest", "pinned_on"} or "digest" not in entry:
-            raise ConfigurationError(f"{where}: expected a table with digest (and pinned_on); regenerate it with "
-                                     "`make pin-images`.")
-        digest = entry["digest"]
-        if digest == UNPINNED:
-            pins[ref] = ImagePin(ref, None)
-        elif re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
-            pins[ref] = ImagePin(ref, digest, entry.get("pinned_on"))
-        else:
-            raise ConfigurationError(f"{where}: digest '{digest}' is neither sha256:<64 hex> nor \"{UNPINNED}\"; "
-                                     "record the real one with `make pin-images`.")
-    return pins
-
-
-def image_pin(target: Target, path: Path | None = None) -> ImagePin:
-    """The pin of the devel image `target`'s toolkit copies nvcc from."""
-    path = path or IMAGES_FILE
-    if target.toolkit.kind != "image":
-        raise ConfigurationError(f"target {target.name} takes nvcc from PyPI wheels; it pins no registry image.")
-    pins = read_image_pins(path)
-    if target.toolkit.image not in pins:
-        raise ConfigurationError(
-            f"{path.name} has no entry for {target.toolkit.image} (toolkit {target.toolkit.name} of {target.name}); "
-            "run `make pin-images` and commit the file."
-        )
-    return pins[target.toolkit.image]
-
-
-def images_to_pin(catalog: Catalog) -> list[str]:
-    return sorted({t.toolkit.image for t in catalog.targets.values() if t.toolkit.kind == "image"})
-
-
-def write_image_pins(pins: dict[str, ImagePin], path: Path | None = None) -> Path:
-    """Write locks/images.toml (sorted; written to a temporary name, then renamed)."""
-    path = path or IMAGES_FILE
-    lines = [
-        "# Generated by `make pin-images` (python -m images pin-images); do not edit by hand.",
-        "# The registry images the builder copies nvcc from, by digest: a build pulls repository@digest and",
-        "# checks the local image's RepoDigests against it. digest = \"unpinned\": not recorded yet (the file",
-        "# was written where the registry was unreachable); the first build that pulls the image records it,",
-        "# and so does `make pin-images` wherever the registry is reachable. Commit the file after either.",
-    ]
-    for ref in sorted(pins):
-        pin = pins[ref]
-        lines += ["", f'["{ref}"]', f'digest = "{pin.digest or UNPINNED}"']
-        if pin.digest and pin.pinned_on:
-            lines.append(f'pinned_on = "{pin.pinned_on}"')
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def record_image_pin(ref: str, digest: str, path: Path | None = None) -> ImagePin:
-    path = path or IMAGES_FILE
-    pins = read_image_pins(path) if path.exists() else {}
-    pins[ref] = ImagePin(ref, digest, datetime.date.today().isoformat())
-    write_image_pins(pins, path)
-    return pins[ref]

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import AuditError, BuildError
-from .fsutil import atomic_write, sha256_file
+from common.fsutil import atomic_write, sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = 1

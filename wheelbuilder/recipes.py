@@ -13,9 +13,9 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from .cmd import echo
+from common.cmd import echo
 from .errors import SourceError
-from .fsutil import sha256_file
+from common.fsutil import sha256_file
 from .targets import Arch, Recipe, Target
 
 SDIST_CACHE = Path(os.environ.get("WHEELBUILDER_CACHE", Path.home() / ".cache" / "wheelbuilder")) / "sdist"

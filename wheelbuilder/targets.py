@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from .errors import ConfigurationError
-from .fsutil import REPO_ROOT
+from common.fsutil import REPO_ROOT
 
 # A checkout's own targets.toml; an installed copy (the runtime image) points here with DFLASH_TARGETS_FILE.
 DEFAULT_TARGETS_FILE = Path(os.environ.get("DFLASH_TARGETS_FILE", REPO_ROOT / "targets.toml"))

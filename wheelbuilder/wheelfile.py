@@ -31,7 +31,7 @@ from pathlib import Path
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from .errors import AuditError, BuildError
-from .fsutil import atomic_write
+from common.fsutil import atomic_write
 
 BUILD_INFO = "wheelbuilder.json"  # written into the dist-info by the build, read back by the audit
 COMPRESSLEVEL = 6

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 from .. import distributed
 from ..chat import load_chat_jsonl, prompt_ids, write_jsonl

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 from .corpus import corpus_texts, demo_conversations
 

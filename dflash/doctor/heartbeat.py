@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 HEARTBEAT_ENV, DEFAULT_HEARTBEAT = "DFLASH_HEARTBEAT", "/tmp/dflash/heartbeat"
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from wheelbuilder.fsutil import atomic_write
+from common.fsutil import atomic_write
 
 SCHEMA_VERSION = 1
 # Where the doctor keeps its verdict and the health check reads it (both honour the env variable).

@@ -1,4 +1,4 @@
-"""File-system primitives shared by every package (wheelbuilder, images, dflash).
+"""File-system primitives shared by every program (wheelbuilder, images, dflash).
 
 - `REPO_ROOT`, `DIST_WHEELS`, `LOGS`: where a checkout keeps its outputs.
 - `atomic_write`: readers see the old file or the new one, never half. The data goes to a temporary

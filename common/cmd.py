@@ -2,7 +2,7 @@
 and raises a typed error naming the log on failure.
 
 The child runs in its own process group (its own session), and whatever ends the wait early
-(Ctrl-C, SIGTERM via errors.Terminated, any exception) kills that whole group, pip and every compiler
+(Ctrl-C, SIGTERM via common.cli.Terminated, any exception) kills that whole group, pip and every compiler
 it started included, before the exception goes on: no child outlives the command that started it."""
 
 from __future__ import annotations
