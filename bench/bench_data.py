@@ -66,7 +66,7 @@ def make_tokenizer(convs):
 
 
 def tokenise_rate(data: Path, tok, procs: int, work: Path) -> dict:
-    from dflash.token_cache import tokenize_source
+    from dflash.data.token_cache import tokenize_source
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -95,7 +95,7 @@ def save_target(out: Path, tok) -> Path:
 
 def time_to_first_step(target: Path, data: Path, out: Path, cache: Path, procs: int) -> float:
     from dflash.config import TrainConfig
-    from dflash.train import train
+    from dflash.train.trainer import train
 
     config = TrainConfig(target=str(target), data=str(data), out=str(out), data_cache=str(cache), num_proc=procs,
                          block_size=4, drafter_layers=1, max_length=512, max_tokens=2048, batch_size=4,

@@ -46,11 +46,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_train import free_memory as free  # noqa: E402
 from bench.bench_train import collate_with_anchors, matmul_peak, sync, synthetic_items  # noqa: E402
-from dflash import distributed, flops  # noqa: E402
-from dflash.model import Drafter, DrafterConfig  # noqa: E402
-from dflash.step import backward, micro_batch_sums  # noqa: E402
-from dflash.target import default_layer_ids  # noqa: E402
-from dflash.train import auto_precision  # noqa: E402
+from dflash import distributed
+from dflash.train import flops  # noqa: E402
+from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from dflash.train.step import backward, micro_batch_sums  # noqa: E402
+from dflash.model.target import default_layer_ids  # noqa: E402
+from dflash.train.trainer import auto_precision  # noqa: E402
 
 SHAPES = {
     # Qwen3.5-27B's attention layers (the drafter copies them), its vocabulary and 64 layers; 2 x 4096 tokens

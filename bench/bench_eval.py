@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from dflash.evaluate import evaluate, load_for_eval  # noqa: E402
+from dflash.decode.evaluate import evaluate, load_for_eval  # noqa: E402
 
 
 def demo_prompts(tokenizer, n: int, trained_on: int, seed: int) -> list[list[int]]:
-    from dflash.chat import prompt_ids
+    from dflash.data.chat import prompt_ids
     from dflash.demo.corpus import demo_conversations
 
     held_out = demo_conversations(trained_on + n, seed=seed)[trained_on:]
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         target_dir = build_demo_target(default_demo_dir(), seed=args.seed, progress=False)
     target, drafter = load_for_eval(target_dir, args.drafter, device=args.device)
     if args.data:
-        from dflash.eval_run import read_prompts
+        from dflash.decode.run_eval import read_prompts
 
         prompts = read_prompts(target.tokenizer, args.data, None, args.limit)
     else:

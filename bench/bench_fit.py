@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from bench.bench_train import (QWEN35_27B, HeadAsCallable, collate_with_anchors, free_memory,  # noqa: E402
                                large_target, synthetic_items)
 from dflash import distributed  # noqa: E402
-from dflash.model import Drafter, DrafterConfig  # noqa: E402
-from dflash.step import backward, micro_batch_sums  # noqa: E402
+from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from dflash.train.step import backward, micro_batch_sums  # noqa: E402
 
 
 def one_micro_batch(drafter, opt, target, items, max_anchors: int, device) -> int:

@@ -26,9 +26,9 @@ import torch  # noqa: E402
 
 from bench.bench_drafter import SHAPES, make_batch  # noqa: E402
 from bench.bench_kernels import timed  # noqa: E402
-from dflash.blocks import build_blocks  # noqa: E402
-from dflash.masks import drafter_attention_mask  # noqa: E402
-from dflash.model import flex_block_mask  # noqa: E402
+from dflash.train.blocks import build_blocks  # noqa: E402
+from dflash.model.masks import drafter_attention_mask  # noqa: E402
+from dflash.model.drafter import flex_block_mask  # noqa: E402
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps); None = torch's default for the device
 CONFIGS = [None, (64, 64, 64, 64, 2, 8), (64, 64, 64, 64, 3, 4), (32, 64, 64, 32, 3, 4), (32, 128, 128, 32, 2, 8),

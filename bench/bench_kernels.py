@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dflash.doctor.numerics import rel_error  # noqa: E402
-from dflash.target import kernel_functions  # noqa: E402
+from dflash.model.target import kernel_functions  # noqa: E402
 
 MODES = {"all fast": {"fla", "causal_conv1d"}, "fla only": {"fla"}, "all fallbacks": set()}
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from dflash.head_loss import fused_weighted_ce  # noqa: E402
-from dflash.losses import LOSS_CHUNK_ROWS, dflash_loss, dflash_loss_from_hidden  # noqa: E402
+from dflash.train.head_loss import fused_weighted_ce  # noqa: E402
+from dflash.train.losses import LOSS_CHUNK_ROWS, dflash_loss, dflash_loss_from_hidden  # noqa: E402
 
 
 def measure(fn, device: torch.device, reps: int) -> tuple[float, float, float]:

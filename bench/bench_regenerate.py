@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.regenerate_server import JsonlAppender, regenerate_via_server  # noqa: E402
-from dflash.server_client import ChatClient  # noqa: E402
+from dflash.regenerate.server import JsonlAppender, regenerate_via_server  # noqa: E402
+from dflash.regenerate.client import ChatClient  # noqa: E402
 
 
 def serve(latency_s: float, port: multiprocessing.Value) -> None:

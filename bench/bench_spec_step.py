@@ -43,12 +43,12 @@ import torch  # noqa: E402
 
 from bench.bench_kernels import timed  # noqa: E402
 from bench.bench_train import QWEN35_27B, large_target  # noqa: E402
-from dflash.evaluate import untrained_drafter  # noqa: E402
-from dflash.model import DrafterConfig  # noqa: E402
-from dflash.proposers import DrafterProposer, Sampler  # noqa: E402
-from dflash.spec_decode import accept_greedy  # noqa: E402
-from dflash.target import Target  # noqa: E402
-from dflash.target_cache import TargetCache  # noqa: E402
+from dflash.decode.evaluate import untrained_drafter  # noqa: E402
+from dflash.model.drafter import DrafterConfig  # noqa: E402
+from dflash.decode.proposers import DrafterProposer, Sampler  # noqa: E402
+from dflash.decode.spec_decode import accept_greedy  # noqa: E402
+from dflash.model.target import Target  # noqa: E402
+from dflash.decode.target_state import TargetCache  # noqa: E402
 
 # target shape (bench_train.large_target's keys), drafter shape (DrafterConfig overrides), tapped layers
 PRESETS = {

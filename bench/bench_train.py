@@ -14,7 +14,7 @@ Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized b
      block embeddings), drafter forward (+ head + loss), drafter backward (+ clip), optimizer step;
   3. model FLOPs utilisation (GPU): the step's model FLOPs (below) per second of the training loop,
      over a bf16 matmul peak measured in the same run (8192^3 products on random data).
-Model FLOPs of one step (dflash/flops.py, shared with the trainer's MFU; the useful work: recomputation
+Model FLOPs of one step (dflash/train/flops.py, shared with the trainer's MFU; the useful work: recomputation
 and masked-out attention do not count):
   target forward  2 x (decoder-layer parameters) x tokens + 4 x head_dim x heads x (causal query-key
                   pairs) per full-attention layer (the GatedDeltaNet recurrences, under 1 %, are left out)
@@ -55,14 +55,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.bench_kernels import timed  # noqa: E402
-from dflash import distributed, flops  # noqa: E402
-from dflash.blocks import anchor_seed, build_blocks, sample_anchors  # noqa: E402
+from dflash import distributed
+from dflash.train import flops  # noqa: E402
+from dflash.train.blocks import anchor_seed, build_blocks, sample_anchors  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
-from dflash.masks import drafter_attention_mask  # noqa: E402
-from dflash.model import Drafter, DrafterConfig  # noqa: E402
-from dflash.step import backward, micro_batch_sums  # noqa: E402
-from dflash.target import Target  # noqa: E402
-from dflash.train import attention_impl, auto_precision, compile_layers, precision, train  # noqa: E402
+from dflash.model.masks import drafter_attention_mask  # noqa: E402
+from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from dflash.train.step import backward, micro_batch_sums  # noqa: E402
+from dflash.model.target import Target  # noqa: E402
+from dflash.train.trainer import attention_impl, auto_precision, compile_layers, precision, train  # noqa: E402
 
 # Qwen3.5-27B's text model (shared/research: 64 layers, 3 GatedDeltaNet : 1 full attention).
 QWEN35_27B = dict(hidden=5120, layers=64, vocab=248320, intermediate=17408, heads=24, kv_heads=4, head_dim=256,
@@ -194,7 +195,7 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
 
 def collate_with_anchors(items: list[dict], max_anchors: int, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
     """(batch on the device, anchors) of these items, the anchors sampled as the trainer samples them."""
-    from dflash.data import collate
+    from dflash.data.batches import collate
 
     batch = {k: v.to(device) for k, v in collate(items, 0).items()}
     anchors = [sample_anchors(it["loss_mask"], max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))

@@ -27,9 +27,9 @@ import sys
 
 from common.cli import DefaultsOnceHelpFormatter, add_version, project_version
 
-from .config import add_arguments, from_args
-from .errors import ConfigError, DflashError
-from .signals import Terminated, sigterm_unwinds
+from dflash.config import add_arguments, from_args
+from dflash.errors import ConfigError, DflashError
+from dflash.train.signals import Terminated, sigterm_unwinds
 
 SUBCOMMANDS = ("train", "eval", "export", "regenerate", "report", "doctor", "healthcheck")
 
@@ -68,9 +68,9 @@ def train_parser() -> argparse.ArgumentParser:
 def _train(argv) -> int:
     config = from_args(train_parser().parse_args(argv))
     if config.is_demo:
-        from .demo.run import run_demo
+        from dflash.demo.pipeline import run_demo
         return run_demo(config)
-    from .train import train
+    from dflash.train.trainer import train
     return train(config).exit_code
 
 
@@ -112,7 +112,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def _eval(argv) -> int:
-    from .eval_run import run_eval
+    from dflash.decode.run_eval import run_eval
 
     return run_eval(eval_parser().parse_args(argv))
 
@@ -142,8 +142,8 @@ def export_parser() -> argparse.ArgumentParser:
 def _export(argv) -> int:
     import torch
 
-    from .drafter_io import target_shape
-    from .drafter_legacy import convert_legacy
+    from dflash.io.drafter import target_shape
+    from dflash.io.legacy import convert_legacy
 
     args = export_parser().parse_args(argv)
     dst = convert_legacy(args.src, args.dst, target=target_shape(args.target) if args.target else None,
@@ -196,7 +196,7 @@ def regenerate_parser() -> argparse.ArgumentParser:
 def _regenerate(argv) -> int:
     args = regenerate_parser().parse_args(argv)
     if args.endpoint is None:
-        from .regenerate import regenerate_jsonl
+        from dflash.regenerate.local import regenerate_jsonl
 
         if args.model or args.resume:
             raise ConfigError("--model and --resume go with --endpoint; --target regenerates in this process "
@@ -205,7 +205,7 @@ def _regenerate(argv) -> int:
                                temperature=args.temperature, seed=args.seed, device=args.device,
                                on_bad_line=args.on_bad_line))
         return 0
-    from .regenerate_server import regenerate_from_args
+    from dflash.regenerate.server import regenerate_from_args
 
     summary = regenerate_from_args(args)
     print(summary.message(), file=sys.stderr if summary.exit_code else sys.stdout)
@@ -224,7 +224,7 @@ def report_parser() -> argparse.ArgumentParser:
 
 
 def _report(argv) -> int:
-    from .report import write_report
+    from dflash.train.run_report import write_report
 
     print(f"wrote {write_report(report_parser().parse_args(argv).run_dir)}")
     return 0
@@ -232,7 +232,7 @@ def _report(argv) -> int:
 
 # --- dflash ----------------------------------------------------------------------------------------
 # The subcommands of the doctor package: imported lazily, they must work without a GPU.
-DOCTOR_COMMANDS = {"doctor": "dflash.doctor.run", "healthcheck": "dflash.doctor.healthcheck",
+DOCTOR_COMMANDS = {"doctor": "dflash.doctor.doctor", "healthcheck": "dflash.doctor.healthcheck",
                    "entrypoint": "dflash.doctor.entrypoint"}
 
 

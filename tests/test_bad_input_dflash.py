@@ -124,7 +124,7 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
 
 
 def test_a_full_disk_while_checkpointing_is_a_checkpoint_error_in_train_log(world, tmp_path, monkeypatch, capsys):
-    import dflash.checkpoint as ckpt
+    import dflash.train.checkpoint as ckpt
 
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")

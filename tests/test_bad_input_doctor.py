@@ -2,7 +2,7 @@
 real command line (or the check the doctor runs) and asserts the exit code, the key words of the message,
 no traceback, and that the directory it was pointed at holds nothing new.
 
-Exit codes (dflash/doctor/run.py, healthcheck.py): 2 a bad option, found before any check runs;
+Exit codes (dflash/doctor/doctor.py, healthcheck.py): 2 a bad option, found before any check runs;
 1 unhealthy / a required check failed.
 """
 
@@ -19,9 +19,9 @@ import pytest
 
 from bad_input import assert_clear_failure, snapshot
 from dflash.doctor import healthcheck
-from dflash.doctor import run as doctor
+from dflash.doctor import doctor
 from dflash.doctor.checks import check_arch
-from dflash.doctor.report import FAIL, SCHEMA_VERSION
+from dflash.doctor.verdict import FAIL, SCHEMA_VERSION
 
 
 def write(name: str, text: str) -> Callable[[Path], Path]:

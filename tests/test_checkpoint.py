@@ -10,11 +10,12 @@ import os
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
+from dflash.train import checkpoint as ckpt
 from dflash.config import TrainConfig
+from dflash.io.drafter import load_drafter
 from dflash.errors import CheckpointError
-from dflash.model import Drafter, DrafterConfig
-from dflash.schedule import lr_lambda
+from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.train.schedule import lr_lambda
 
 
 def _drafter_config(**overrides) -> DrafterConfig:
@@ -57,7 +58,7 @@ def test_checkpoint_round_trip_loads_with_weights_only(tmp_path):
     exp_avg = next(iter(opt.state.values()))["exp_avg"]
     assert torch.equal(exp_avg, next(iter(parts[1].state.values()))["exp_avg"])
     assert TrainConfig.from_json(path / "train_config.json") == TrainConfig()
-    loaded = Drafter.from_pretrained(path / "drafter")
+    loaded = load_drafter(path / "drafter")
     for a, b in zip(loaded.state_dict().values(), parts[0].state_dict().values()):
         assert torch.equal(a, b)
 
@@ -129,7 +130,7 @@ def test_export_drafter_replaces_the_previous_copy(tmp_path):
     dest = ckpt.export_drafter(first, tmp_path / "drafter")
     second = _save(tmp_path / "ck", 2, _parts(seed=1))
     ckpt.export_drafter(second, dest)
-    exported, trained = Drafter.from_pretrained(dest, dtype=torch.bfloat16), Drafter.from_pretrained(second / "drafter")
+    exported, trained = load_drafter(dest, dtype=torch.bfloat16), load_drafter(second / "drafter")
     assert json.loads((dest / "config.json").read_text())["dtype"] == "bfloat16"  # what the engines serve
     assert json.loads((second / "drafter" / "config.json").read_text())["dtype"] == "float32"  # resume is exact
     for name, value in trained.state_dict().items():

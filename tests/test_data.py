@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from dflash.chat import load_chat_jsonl
-from dflash.data import ChatDataset, collate, make_batches, padding_fraction, tokenize_conversation
+from dflash.data.chat import load_chat_jsonl
+from dflash.data.batches import ChatDataset, collate, make_batches, padding_fraction, tokenize_conversation
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.tokenizer import CHAT_TEMPLATE, IM_END, build_chat_tokenizer
 from dflash.errors import ChatTemplateError, DataError
-from dflash.regenerate import generate_replies, regenerate
+from dflash.regenerate.local import generate_replies, regenerate
 
 # ChatML without {% generation %} tags: the mask located in the full render must equal the tags' one.
 PLAIN_CHATML = (
@@ -203,7 +203,7 @@ def test_collate_pads_right():
 def tiny_target(tokenizer):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from dflash.target import Target
+    from dflash.model.target import Target
 
     config = Qwen3_5TextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,

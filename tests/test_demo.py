@@ -12,7 +12,7 @@ import pytest
 
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.target import DemoSpec, answer_diversity, build_demo_target, probe_greedy, read_demo_record
-from dflash.target import Target
+from dflash.model.target import Target
 
 
 # the full build pre-trains for about a minute and a half of CPU time (once per session, or never with

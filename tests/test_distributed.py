@@ -72,7 +72,7 @@ def test_a_two_process_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
 
     from safetensors.torch import load_file
 
-    from dflash import checkpoint as ckpt
+    from dflash.train import checkpoint as ckpt
     from dflash.cli import train_main
 
     target = save_chat_target(tmp_path / "target")

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from dflash.doctor import checks as dc
 from dflash.doctor import numerics as dn
-from dflash.doctor import run as doctor
-from dflash.doctor.report import FAIL, PASS, SKIP, CheckResult, Report, render_table
-from dflash.target import kernel_functions
+from dflash.doctor import doctor
+from dflash.doctor.verdict import FAIL, PASS, SKIP, CheckResult, Report, render_table
+from dflash.model.target import kernel_functions
 
 REPO = Path(__file__).resolve().parent.parent
 NVCC = "/usr/local/cuda/bin/nvcc"

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.drafter_io import (
+from dflash.io.drafter import (
     check_fits_target, expected_tensors, load_drafter, read_drafter_config, save_drafter, target_shape,
 )
-from dflash.drafter_legacy import convert_legacy
+from dflash.io.legacy import convert_legacy
 from dflash.errors import DrafterError
-from dflash.model import Drafter, DrafterConfig
-from dflash.target import Target
+from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.model.target import Target
 from dflash_tiny import save_tiny_target
 
 H, BS = 32, 4
@@ -193,7 +193,7 @@ def test_fp32_training_checkpoint_round_trip_is_exact_and_says_float32(tmp_path)
 def test_bf16_weights_on_a_cpu_are_upcast_exactly_with_a_note(tmp_path, caplog):
     drafter = make_drafter(tiny_config()).to(torch.bfloat16)
     save_drafter(drafter, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="dflash.drafter_io"):
+    with caplog.at_level(logging.WARNING, logger="dflash.io.drafter"):
         loaded = load_drafter(tmp_path, device="cpu").eval()
     assert loaded.fc.weight.dtype == torch.float32
     assert "bfloat16 weights; upcast to float32" in caplog.text

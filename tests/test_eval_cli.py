@@ -7,8 +7,9 @@ import json
 import pytest
 
 from dflash.cli import eval_main, eval_parser
-from dflash.evaluate import untrained_drafter
-from dflash.target import Target
+from dflash.io.drafter import save_drafter
+from dflash.decode.evaluate import untrained_drafter
+from dflash.model.target import Target
 from dflash_train_fixtures import save_chat_target, write_chat_jsonl
 
 
@@ -17,7 +18,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-eval")
     target_dir = save_chat_target(root / "target")
     drafter = untrained_drafter(Target.load(target_dir), block_size=4, num_hidden_layers=1)
-    drafter.save_pretrained(root / "drafter")
+    save_drafter(drafter, root / "drafter", dtype=None)
     return target_dir, root / "drafter", write_chat_jsonl(root / "chat.jsonl", n=6)
 
 

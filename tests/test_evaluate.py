@@ -4,11 +4,11 @@ for scripted proposers."""
 import pytest
 import torch
 
-from dflash.evaluate import (
+from dflash.decode.evaluate import (
     DrafterProposer, RepeatLastProposer, Sampler, evaluate, evaluate_baseline, greedy_generate, speculative_generate,
     untrained_drafter,
 )
-from dflash.target import Target
+from dflash.model.target import Target
 from dflash_tiny import save_tiny_target
 
 BS = 4

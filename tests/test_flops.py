@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.blocks import build_blocks, sample_anchors
-from dflash.data import collate
-from dflash.flops import StepFlops, drafter_pairs, peak_flops
-from dflash.model import DrafterConfig
-from dflash.target import Target
+from dflash.train.blocks import build_blocks, sample_anchors
+from dflash.data.batches import collate
+from dflash.train.flops import StepFlops, drafter_pairs, peak_flops
+from dflash.model.drafter import DrafterConfig
+from dflash.model.target import Target
 from dflash_train_fixtures import save_chat_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -47,7 +47,7 @@ def _file(name: str, data: bytes) -> Path:
 @given(lines=st.lists(st.one_of(CONVERSATION.map(json.dumps), st.text(max_size=40)), max_size=6),
        bom=st.booleans(), junk=st.binary(max_size=16), on_error=st.sampled_from(["skip", "stop"]))
 def test_chat_jsonl(lines, bom, junk, on_error):
-    from dflash.chat import load_chat_jsonl
+    from dflash.data.chat import load_chat_jsonl
 
     data = ("\ufeff" if bom else "").encode() + "\n".join(lines).encode() + junk
     try:
@@ -146,7 +146,7 @@ def test_fatbin_elf_reader(cut, flips):
 
 @given(latest=st.text(max_size=30), steps=st.lists(st.integers(0, 99), max_size=3), state=st.binary(max_size=64))
 def test_checkpoint_metadata(latest, steps, state):
-    from dflash.checkpoint import STATE_FILE, latest_checkpoint, load_state, step_dir_name
+    from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_state, step_dir_name
 
     root = Path(tempfile.mkdtemp(prefix="fuzz-ckpt-"))
     for s in steps:

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from dflash.doctor import healthcheck, heartbeat
-from dflash.doctor import run as doctor
-from dflash.doctor.report import FAIL, PASS, SKIP, CheckResult, Report
+from dflash.doctor import healthcheck
+from dflash.train import heartbeat
+from dflash.doctor import doctor
+from dflash.doctor.verdict import FAIL, PASS, SKIP, CheckResult, Report
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.masks import drafter_attention_mask
+from dflash.model.masks import drafter_attention_mask
 
 
 def reference_mask(anchors, T, bs, context_valid, anchor_valid, window=None):
@@ -57,7 +57,7 @@ def test_sliding_window_mask_matches_loop_reference(seed):
 
 
 def test_sliding_window_drawn_in_the_docstring():
-    """The W = 3 example of dflash/masks.py, row by row."""
+    """The W = 3 example of dflash/model/masks.py, row by row."""
     mask = drafter_attention_mask(torch.tensor([[2, 4]]), T=6, block_size=3, sliding_window=3)[0].int()
     assert mask[3:].tolist() == [
         [0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0],

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
+from dflash.io.drafter import load_drafter, save_drafter
 from dflash.errors import DrafterError
-from dflash.model import Drafter, DrafterConfig
+from dflash.model.drafter import Drafter, DrafterConfig
 
 H, K, BS = 32, 3, 4
 
@@ -125,9 +126,9 @@ def test_config_checks_and_dict_round_trip():
 
 
 def test_save_load_is_bit_exact(tmp_path, drafter):
-    drafter.save_pretrained(tmp_path / "ckpt")
+    save_drafter(drafter, tmp_path / "ckpt", dtype=None)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
-    loaded = Drafter.from_pretrained(tmp_path / "ckpt")
+    loaded = load_drafter(tmp_path / "ckpt")
     assert loaded.config == drafter.config
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
@@ -136,14 +137,14 @@ def test_save_load_is_bit_exact(tmp_path, drafter):
 
 
 def test_bf16_checkpoint_loads_as_bf16_where_asked(tmp_path):
-    Drafter(tiny_config()).save_pretrained(tmp_path, dtype=torch.bfloat16)
-    assert Drafter.from_pretrained(tmp_path, dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16
-    assert Drafter.from_pretrained(tmp_path).fc.weight.dtype == torch.float32  # upcast for a CPU
+    save_drafter(Drafter(tiny_config()), tmp_path, dtype=torch.bfloat16)
+    assert load_drafter(tmp_path, dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16
+    assert load_drafter(tmp_path).fc.weight.dtype == torch.float32  # upcast for a CPU
 
 
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(DrafterError, match="holds nothing like a drafter: no config.json"):
-        Drafter.from_pretrained(tmp_path)
+        load_drafter(tmp_path)
 
 
 def test_a_sliding_layer_sees_only_its_window():

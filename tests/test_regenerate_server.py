@@ -23,9 +23,9 @@ import pytest
 
 from dflash.cli import main
 from dflash.errors import ConfigError, DataError
-from dflash.regenerate import reply_slots
-from dflash.regenerate_server import done_keys, errors_path, prompt_hash, read_conversations, regenerate_via_server
-from dflash.server_client import ChatClient, chat_completions_url
+from dflash.regenerate.local import reply_slots
+from dflash.regenerate.server import done_keys, errors_path, prompt_hash, read_conversations, regenerate_via_server
+from dflash.regenerate.client import ChatClient, chat_completions_url
 
 REPO = Path(__file__).resolve().parent.parent
 

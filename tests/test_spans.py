@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import ChatTemplateError
-from dflash.spans import Unusable, assistant_char_spans, tokenize_conversation
+from dflash.data.spans import Unusable, assistant_char_spans, tokenize_conversation
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dflash.errors import DataError
-from dflash.evaluate import evaluate, greedy_generate, speculative_generate, untrained_drafter
-from dflash.model import DrafterConfig
-from dflash.proposers import DrafterContextCache
-from dflash.target import Target
-from dflash.target_cache import TargetCache
+from dflash.decode.evaluate import evaluate, greedy_generate, speculative_generate, untrained_drafter
+from dflash.model.drafter import DrafterConfig
+from dflash.decode.proposers import DrafterContextCache
+from dflash.model.target import Target
+from dflash.decode.target_state import TargetCache
 from dflash_tiny import save_tiny_target
 
 PROMPT = [5, 17, 42, 8, 63, 21, 9]

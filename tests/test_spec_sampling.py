@@ -9,9 +9,9 @@ that a wrong rule (always accepting the draft) fails by a wide margin at the sam
 
 import torch
 
-from dflash.proposers import Draft, Sampler
-from dflash.spec_decode import accept_sampled, speculative_generate
-from dflash.target import Target
+from dflash.decode.proposers import Draft, Sampler
+from dflash.decode.spec_decode import accept_sampled, speculative_generate
+from dflash.model.target import Target
 from dflash_tiny import save_tiny_target
 
 ALPHA = 1e-3

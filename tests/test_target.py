@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.target import Target, TargetError, default_layer_ids
+from dflash.model.target import Target, TargetError, default_layer_ids
 from dflash_tiny import save_tiny_target
 
 GDN_FUNCTIONS = {"chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
@@ -116,7 +116,7 @@ def test_not_a_model_directory(tmp_path):
 
 
 def test_known_family_mask_id_is_used_only_where_the_embedding_has_it():
-    from dflash.target import _resolve_mask_token
+    from dflash.model.target import _resolve_mask_token
     from dflash_tiny import build_tokenizer
 
     tok = build_tokenizer(with_mask=False)
@@ -131,7 +131,7 @@ def test_cpu_tensors_take_the_torch_reference_even_where_fla_resolved(qwen35_dir
     """transformers 5.24 resolves chunk_gated_delta_rule to fla when fla imports; CPU must not reach it."""
     import sys
 
-    from dflash.target import kernel_functions
+    from dflash.model.target import kernel_functions
 
     target = Target.load(qwen35_dir)
     Target.load(qwen35_dir)  # routing a second time must not wrap twice

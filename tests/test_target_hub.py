@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.errors import TargetError
-from dflash.target import Target, resolve_target
+from dflash.model.target import Target, resolve_target
 from dflash_tiny import save_tiny_target
 
 REV = "0123456789abcdef0123456789abcdef01234567"

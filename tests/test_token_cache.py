@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import dflash.spans
-from dflash import token_cache
+import dflash.data.spans
+from dflash.data import token_cache
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.tokenizer import build_chat_tokenizer
 from dflash.errors import DataError
-from dflash.token_cache import load_tokenized
+from dflash.data.token_cache import load_tokenized
 
 THINK = (Path(__file__).parent / "data" / "templates" / "think_after_last_query.jinja").read_text()
 
@@ -45,13 +45,13 @@ def _config(tmp_path, data, **kw):
 @pytest.fixture
 def count_tokenised(monkeypatch):
     calls = []
-    real = dflash.spans.tokenize_conversation
+    real = dflash.data.spans.tokenize_conversation
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dflash.spans, "tokenize_conversation", counting)
+    monkeypatch.setattr(dflash.data.spans, "tokenize_conversation", counting)
     return calls
 
 
@@ -171,7 +171,7 @@ def test_second_training_run_starts_without_tokenising(tmp_path, count_tokenised
     """Through the real entry point: `dflash-train` twice on the same data; the second reads the cache."""
     from dflash.config import TrainConfig, from_args
     from dflash.cli import train_parser
-    from dflash.train import train
+    from dflash.train.trainer import train
     from dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
     target = save_chat_target(tmp_path / "target")

@@ -11,9 +11,10 @@ import pytest
 
 from dflash.cli import train_main
 from dflash.errors import ConfigError
-from dflash.step import acceptance_sums, summarize
-from dflash.trackers import check_report_to, open_trackers, scalars
-from dflash.train_eval import prompt_of, split_items
+from dflash.train.step import acceptance_sums, summarize
+from dflash.config import check_report_to
+from dflash.train.trackers import open_trackers, scalars
+from dflash.train.evaluation import prompt_of, split_items
 from dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 EVAL_ARGS = dict(max_steps=4, eval_every=2, eval_fraction=0.25, eval_tau_prompts=2, eval_new_tokens=6)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
+from dflash.train import checkpoint as ckpt
 from dflash.config import TrainConfig
-from dflash.blocks import build_blocks, sample_anchors
-from dflash.schedule import lr_lambda
-from dflash.train import train
+from dflash.train.blocks import build_blocks, sample_anchors
+from dflash.train.schedule import lr_lambda
+from dflash.train.trainer import train
 from dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -200,7 +200,7 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
     from transformers import Qwen3_5ForCausalLM
     import types as _types
 
-    from dflash.target import Target
+    from dflash.model.target import Target
     from dflash.errors import TrainError
     from dflash_tiny import qwen3_5_config
 
@@ -222,7 +222,7 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
 def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
     from dflash.config import TrainConfig
     from dflash.errors import ConfigError
-    from dflash.train import attention_impl
+    from dflash.train.trainer import attention_impl
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert attention_impl(TrainConfig(out=str(tmp_path)), cpu) == "sdpa"

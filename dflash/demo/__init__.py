@@ -3,5 +3,5 @@
     corpus.py     the synthetic chat corpus (ten task templates with learnable structure)
     tokenizer.py  a byte-level BPE chat tokenizer with ChatML and a mask token, trained locally
     target.py     the tiny Qwen3.5-style hybrid target, pre-trained on the corpus and cached
-    run.py        the demo run: build the target, regenerate its data, train, print tau
+    pipeline.py   the demo run: build the target, regenerate its data, train, print tau
 """

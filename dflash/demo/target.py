@@ -35,7 +35,7 @@ import torch
 
 from common.fsutil import atomic_write
 
-from .corpus import corpus_texts, demo_conversations
+from dflash.demo.corpus import corpus_texts, demo_conversations
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _new_model(spec: DemoSpec, tokenizer):
 def _route_kernels(model) -> None:
     # transformers 5.24 sends CPU tensors to fla's Triton kernels when fla is installed; route them
     # to the torch references as the target does (see dflash.target).
-    from ..target import route_kernels_by_device
+    from dflash.model.target import route_kernels_by_device
 
     route_kernels_by_device(sys.modules[type(model).__module__])
 
@@ -219,7 +219,7 @@ def answer_diversity(answers: list[list[int]]) -> dict:
 
 def probe_greedy(model, tokenizer, n_prompts: int = 16, max_new_tokens: int = 48, seed: int = 99) -> dict:
     """Greedy answers to held-out demo prompts: diversity, exact-match rate, and a few samples."""
-    from ..regenerate import generate_replies
+    from dflash.regenerate.local import generate_replies
 
     convs = demo_conversations(n_prompts, seed=seed, turns=(1, 1))
     replies, n_cut = generate_replies(model, tokenizer, [c[:1] for c in convs], max_new_tokens)
@@ -231,7 +231,7 @@ def probe_greedy(model, tokenizer, n_prompts: int = 16, max_new_tokens: int = 48
 
 def _build_into(path: Path, spec: DemoSpec, progress: bool) -> None:
     """Build tokenizer + model, pre-train, probe, and save everything (record last) into `path`."""
-    from .tokenizer import build_chat_tokenizer
+    from dflash.demo.tokenizer import build_chat_tokenizer
 
     started, cpu_started = time.monotonic(), time.process_time()
     # the corpus seed is derived, so demo_conversations(n, seed) prompts are not the corpus verbatim

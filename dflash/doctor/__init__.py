@@ -1,12 +1,12 @@
-"""The kernel doctor and the image's health check (DESIGN.md §5).
+"""The kernel doctor and the image's health check (docs/architecture.md, "The doctor").
 
-    run.py         `dflash doctor`: runs the checks in order, prints the table or JSON, saves the verdict
+    doctor.py      `dflash doctor`: runs the checks in order, prints the table or JSON, saves the verdict
     checks.py      the checks that need no GPU: versions, import, arch coverage, dispatch, C compiler
     numerics.py    float64 references and the GPU numerics check of the GatedDeltaNet kernels
     triton_jit.py  the smallest proof that Triton can JIT-compile and run a kernel here
-    report.py      CheckResult, Report: the verdict as a table or as JSON (schema 1), saved atomically
-    heartbeat.py   the trainer's heartbeat file: written by the trainer, read by the health check
-    healthcheck.py `dflash healthcheck`: the saved verdict plus the heartbeat decide the exit code
+    verdict.py     CheckResult, Report: the verdict as a table or as JSON (schema 1), saved atomically
+    healthcheck.py `dflash healthcheck`: the saved verdict plus the trainer's heartbeat
+                   (dflash/train/heartbeat.py) decide the exit code
     entrypoint.py  `dflash entrypoint`: the image's entrypoint (background doctor, then the command)
 
 Importing this package imports nothing heavy: the health check runs every 30 s and must stay cheap.

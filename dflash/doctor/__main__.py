@@ -2,6 +2,6 @@
 
 import sys
 
-from .run import main
+from dflash.doctor.doctor import main
 
 sys.exit(main(sys.argv[1:]))

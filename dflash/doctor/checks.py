@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from .report import FAIL, PASS, SKIP, CheckResult
+from dflash.doctor.verdict import FAIL, PASS, SKIP, CheckResult
 
 if TYPE_CHECKING:  # dflash.target imports torch: the checks import it only when they run
-    from ..target import KernelFunction
+    from dflash.model.target import KernelFunction
 
 WHEEL_FIX = "rebuild the wheel for the installed torch with `make wheels` and install it from dist/wheels/"
 EXTENSION = "causal_conv1d_cuda"
@@ -294,7 +294,7 @@ def check_dispatch(modules: tuple[str, ...] = QWEN35_MODULES) -> CheckResult:
     dflash.target.kernel_functions, the same reader the trainer's routing uses)."""
     import transformers
 
-    from ..target import kernel_functions
+    from dflash.model.target import kernel_functions
 
     found, problems = [], []
     for name in modules:
@@ -306,7 +306,7 @@ def check_dispatch(modules: tuple[str, ...] = QWEN35_MODULES) -> CheckResult:
         funcs = [dispatch_row(fn) for fn in kernel_functions(module)]
         if not funcs:
             problems.append(f"found no kernel-dispatched function in {name} (transformers {transformers.__version__}); "
-                            "its dispatch mechanism changed: update dflash/target.py:kernel_functions")
+                            "its dispatch mechanism changed: update dflash/model/target.py:kernel_functions")
         found += funcs
     slow = [f for f in found if not f["fast"]]
     details = {"transformers": transformers.__version__, "functions": found}

@@ -1,7 +1,7 @@
 """`dflash healthcheck`: the image's cheap HEALTHCHECK (DESIGN.md §5).
 
 The full doctor runs once, at container start (`dflash doctor --save /tmp/dflash/doctor.json`, or
-`dflash.doctor.run.run_and_save`), and its verdict is kept. This command only reads things back:
+`dflash.doctor.doctor.run_and_save`), and its verdict is kept. This command only reads things back:
 
     verdict  (DFLASH_DOCTOR_REPORT, default /tmp/dflash/doctor.json)
         missing                  -> exit 1 "doctor has not finished"   (the start period covers this)
@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .heartbeat import HEARTBEAT_ENV, heartbeat_path
-from .report import DEFAULT_REPORT, REPORT_ENV, SCHEMA_VERSION
+from dflash.train.heartbeat import HEARTBEAT_ENV, heartbeat_path
+from dflash.doctor.verdict import DEFAULT_REPORT, REPORT_ENV, SCHEMA_VERSION
 
 MAX_AGE_ENV, DEFAULT_MAX_AGE = "DFLASH_HEARTBEAT_MAX_AGE", 600.0
 

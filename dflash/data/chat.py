@@ -1,0 +1,212 @@
+"""Chat conversations on disk and as prompts: JSONL in and out, and the token ids of a prompt.
+
+    {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}   one per line
+    --load_chat_jsonl--> conversations [[{"role", "content"}, ...], ...] + a DataReport of what was skipped
+    --write_jsonl--> the same format back (written atomically)
+
+ShareGPT's {"conversations": [{"from", "value"}]} and OpenAI-style text parts are read too, and so
+are the fields chat templates render besides the text: an assistant's reasoning (`reasoning_content`,
+or vLLM's `reasoning` / `thinking`, stored as `reasoning_content`) and `tool_calls` (their `arguments`
+parsed from a JSON string into a mapping, as Qwen3.5's template needs), and `tool` messages (with
+`name` / `tool_call_id`). A conversation may end with a user prompt and no answer: `dflash.regenerate`
+fills it in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.fsutil import atomic_write
+
+from dflash.errors import DataError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT spells roles differently; these are the spellings seen in the wild.
+_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
+_MESSAGE_KEYS = ("messages", "conversations", "conversation")
+# Where servers and datasets put an assistant's reasoning (vLLM >= 0.11: reasoning; SGLang: reasoning_content).
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+@dataclass
+class DataReport:
+    """What happened to each record: how many were read, kept, and skipped for which reason."""
+
+    source: str
+    n_read: int = 0
+    n_kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)  # the first few skip messages, for the log
+    max_examples: int = 5
+
+    def skip(self, reason: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(detail)
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
+        return f"{self.source}: read {self.n_read}, kept {self.n_kept}, skipped {self.n_skipped} ({reasons})"
+
+    __str__ = summary
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "n_read": self.n_read, "n_kept": self.n_kept,
+                "skipped": dict(self.skipped), "examples": list(self.examples)}
+
+
+
+# --------------------------------------------------------------------------------------------------
+# JSONL
+# --------------------------------------------------------------------------------------------------
+def _message_text(content) -> str:
+    """A message's text: a string, or OpenAI-style parts [{"type": "text", "text": ...}, ...]."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise ValueError(f"content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _tool_calls(calls) -> list[dict]:
+    """OpenAI-style tool calls, each {"type": "function", "function": {"name", "arguments": mapping}}."""
+    if not isinstance(calls, list):
+        raise ValueError(f"tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls, start=1):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool call {j} has no function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # servers return a JSON string; templates iterate a mapping
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"tool call {j} ({fn['name']}): arguments are not JSON: {exc}") from None
+        if isinstance(args, dict):  # Arrow gives every struct the union of all rows' keys, missing ones null
+            args = {k: v for k, v in args.items() if v is not None}
+        out.append({"type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _message(i: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise ValueError(f"message {i} is a {type(message).__name__}, not an object")
+    role = message.get("role", message.get("from"))
+    role = _ROLE_ALIASES.get(role, role)
+    if role not in ROLES:
+        raise ValueError(f"message {i} has role {role!r}; supported roles: {', '.join(ROLES)}")
+    content = message.get("content", message.get("value"))
+    calls = message.get("tool_calls") if role == "assistant" else None
+    try:
+        out = {"role": role, "content": "" if content is None and calls else _message_text(content)}
+        if calls:
+            out["tool_calls"] = _tool_calls(calls)
+    except ValueError as exc:
+        raise ValueError(f"message {i}: {exc}") from None
+    if role == "assistant":
+        reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise ValueError(f"message {i}: reasoning must be a string, got {type(reasoning).__name__}")
+            out["reasoning_content"] = reasoning
+    if role == "tool":
+        out.update({k: str(message[k]) for k in ("name", "tool_call_id") if message.get(k) is not None})
+    return out
+
+
+def parse_conversation(record) -> list[dict]:
+    """One JSONL record -> [{"role", "content", ...}, ...]; raises ValueError saying what is wrong.
+
+    Accepts {"messages": [...]}, {"conversations": [...]} (also ShareGPT's from/value) or a bare list.
+    Besides role and content a message keeps reasoning_content and tool_calls (assistant) and name and
+    tool_call_id (tool); a None field counts as absent (Parquet and Arrow fill missing fields with null).
+    """
+    if isinstance(record, dict):
+        key = next((k for k in _MESSAGE_KEYS if k in record), None)
+        if key is None:
+            raise ValueError(f'no "messages" list (keys: {sorted(record)[:8]})')
+        record = record[key]
+    if not isinstance(record, list) or not record:
+        raise ValueError("the conversation must be a non-empty list of messages")
+    messages = [_message(i, message) for i, message in enumerate(record, start=1)]
+    if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in messages):
+        if messages[-1]["role"] not in ("user", "tool"):
+            raise ValueError("no assistant message and no final user prompt to answer")
+    return messages
+
+
+def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], DataReport]:
+    """Read chat conversations from a JSONL file (one conversation per line; blank lines ignored).
+
+    on_error="stop": the first bad line raises DataError naming the file and line number.
+    on_error="skip": bad lines are counted in the report (reason "bad_json" or "bad_conversation").
+    A conversation may end with a user prompt and no answer: `regenerate` fills it in.
+    """
+    if on_error not in ("skip", "stop"):
+        raise ValueError(f"on_error must be 'skip' or 'stop', got {on_error!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; pass a JSONL file with one conversation per line")
+    report = DataReport(source=str(path))
+    conversations = []
+    with path.open("rb") as lines:
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            report.n_read += 1
+            if lineno == 1:  # a UTF-8 BOM (Windows editors) is not part of the first conversation
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            try:
+                conversations.append(parse_conversation(json.loads(raw.decode("utf-8"))))
+                report.n_kept += 1
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                reason = ("not_utf8" if isinstance(exc, UnicodeDecodeError) else
+                          "bad_json" if isinstance(exc, json.JSONDecodeError) else "bad_conversation")
+                detail = f"{path}:{lineno}: {exc}"
+                if on_error == "stop":
+                    raise DataError(f"{detail}; fix or delete that line, or skip bad lines (--on-bad-line skip, "
+                                    "on_error='skip')") from None
+                report.skip(reason, detail)
+    if report.n_read == 0:
+        raise DataError(f"{path} is empty (no conversation on any line); pass a JSONL file with one "
+                        '{"messages": [...]} conversation per line')
+    if report.n_skipped:
+        log.warning("%s; first problems: %s", report.summary(), "; ".join(report.examples))
+    return conversations, report
+
+
+
+def write_jsonl(path, conversations: list[list[dict]]) -> None:
+    """Write conversations as chat JSONL ({"messages": [...]} per line), atomically."""
+    text = "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
+    atomic_write(Path(path), text)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering with the chat template
+# --------------------------------------------------------------------------------------------------
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The conversation as the tokenizer's chat template lays it out (text, not token ids)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation up to (not including) its first assistant turn, plus the
+    generation prompt: what the target sees before it starts answering."""
+    head = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        head.append(m)
+    return list(tokenizer(render(tokenizer, head, add_generation_prompt=True), add_special_tokens=False)["input_ids"])

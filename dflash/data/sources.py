@@ -1,0 +1,172 @@
+"""Training conversations of any size, read into Arrow files: JSONL, JSON, Parquet, a directory of such
+shards, or a dataset saved with `datasets` (`Dataset.save_to_disk`).
+
+    --data PATH --find_source--> Source(kind, shards) --read_records--> Dataset {"raw": one record as
+    JSON text, "where": "file:line" or "file#row", "error": why the record could not be read, or ""}
+
+Records stay raw JSON text here, so that rows of any shape survive (Arrow would unify the messages of
+all rows into one struct type); dflash.token_cache parses and tokenises them in parallel. A shard that
+cannot be read raises DataError naming it; a line that is not JSON or not UTF-8 becomes a record whose
+"error" says so (counted, or fatal with --on-bad-line stop).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.data.chat import _MESSAGE_KEYS
+from dflash.errors import DataError
+
+SHARD_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """What --data names: `kind` is "shards" (JSONL/JSON/Parquet files) or "saved" (a saved dataset)."""
+
+    path: Path
+    kind: str
+    shards: tuple[Path, ...]
+
+
+def find_source(path) -> Source:
+    """The files behind --data; a directory holds shards (searched recursively) or a saved dataset."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix not in SHARD_KINDS:
+            raise DataError(f"{path}: unknown data format {path.suffix!r}; use .jsonl, .json or .parquet files, "
+                            "a directory of them, or a dataset saved with datasets' save_to_disk")
+        return Source(path, "shards", (path,))
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            return Source(path, "saved", tuple(sorted(p for p in path.rglob("*") if p.is_file())))
+        shards = tuple(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SHARD_KINDS))
+        if not shards:
+            raise DataError(f"{path}: no .jsonl, .json or .parquet shard in this directory (and no saved "
+                            "dataset: dataset_info.json is missing); point --data at the data files")
+        return Source(path, "shards", shards)
+    raise DataError(f"{path}: no such file or directory; pass a JSONL/JSON/Parquet file, a directory of "
+                    "them, or a saved dataset")
+
+
+def content_fingerprint(source: Source) -> str:
+    """sha256 over every file's bytes (and, in a directory, its relative name): the same data under
+    another path or file name matches."""
+    h = hashlib.sha256(source.kind.encode())
+    for shard in source.shards:
+        h.update(str(shard.relative_to(source.path) if shard != source.path else "").encode() + b"\0")
+        try:
+            with shard.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+        except OSError as exc:
+            raise DataError(f"{shard}: cannot be read ({exc}); fix its permissions or remove it from "
+                            f"{source.path}") from None
+        h.update(b"\1")
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------------
+def _conversation_column(names, where) -> str:
+    column = next((c for c in _MESSAGE_KEYS if c in names), None)
+    if column is None:
+        raise DataError(f"{where}: no conversation column (columns: {', '.join(sorted(names)[:12])}); "
+                        f"the conversations must be in a column named one of {', '.join(_MESSAGE_KEYS)}, "
+                        "holding lists of {role, content} messages")
+    return column
+
+
+def _jsonl_records(shard: Path):
+    with shard.open("rb") as lines:
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield {"raw": raw.decode("utf-8"), "where": f"{shard}:{lineno}", "error": ""}
+            except UnicodeDecodeError as exc:
+                yield {"raw": "", "where": f"{shard}:{lineno}", "error": f"not_utf8: {exc}"}
+
+
+def _json_records(shard: Path):
+    try:
+        data = json.loads(shard.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{shard}: not a JSON document ({exc}); a .json shard holds one list of records "
+                        "(use .jsonl for one record per line)") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataError(f"{shard}: the JSON document is a {type(data).__name__}; it must be a list of "
+                        'conversation records (or {"data": [...]})')
+    for i, record in enumerate(data):
+        yield {"raw": json.dumps(record, ensure_ascii=False), "where": f"{shard}#{i}", "error": ""}
+
+
+def _parquet_records(shard: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(shard)
+        column = _conversation_column(file.schema_arrow.names, shard)
+        row = 0
+        for batch in file.iter_batches(columns=[column], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                yield {"raw": json.dumps({"messages": value}, ensure_ascii=False, default=str),
+                       "where": f"{shard}#{row}", "error": ""}
+                row += 1
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise DataError(f"{shard}: cannot be read as Parquet ({type(exc).__name__}: {exc}); "
+                        "re-export it or remove it from the data") from None
+
+
+def _shard_records(shards: list[str]):
+    readers = {"jsonl": _jsonl_records, "json": _json_records, "parquet": _parquet_records}
+    for name in shards:
+        shard = Path(name)
+        try:
+            yield from readers[SHARD_KINDS[shard.suffix]](shard)
+        except OSError as exc:
+            raise DataError(f"{shard}: cannot be read ({exc}); fix or remove that shard") from None
+
+
+def read_records(source: Source, work_dir: Path, num_proc: int = 1):
+    """The records of `source` as a Dataset {"raw", "where", "error"}; Arrow files under `work_dir`."""
+    from datasets import Dataset, Features, Value, load_from_disk
+
+    features = Features({"raw": Value("string"), "where": Value("string"), "error": Value("string")})
+    if source.kind == "saved":
+        try:
+            saved = load_from_disk(str(source.path))
+        except Exception as exc:
+            raise DataError(f"{source.path}: cannot be loaded as a saved dataset ({type(exc).__name__}: {exc})") from None
+        if hasattr(saved, "keys"):  # a DatasetDict: its train split
+            if "train" not in saved:
+                raise DataError(f"{source.path}: a saved DatasetDict without a 'train' split (splits: "
+                                f"{', '.join(saved.keys())}); save the split to train on, or name it 'train'")
+            saved = saved["train"]
+        column = _conversation_column(saved.column_names, source.path)
+        where = str(source.path)
+        return saved.map(
+            lambda row, i: {"raw": json.dumps({"messages": row[column]}, ensure_ascii=False, default=str),
+                            "where": f"{where}#{i}", "error": ""},
+            with_indices=True, remove_columns=saved.column_names, features=features,
+            num_proc=num_proc if num_proc > 1 else None, desc="read", cache_file_name=str(work_dir / "read.arrow"),
+            new_fingerprint=hashlib.sha256(where.encode()).hexdigest()[:16])
+    from datasets.exceptions import DatasetGenerationError
+
+    shards = [str(s) for s in source.shards]
+    try:
+        return Dataset.from_generator(_shard_records, gen_kwargs={"shards": shards}, features=features,
+                                      cache_dir=str(work_dir / "read"), num_proc=min(num_proc, len(shards)) or None)
+    except DatasetGenerationError as exc:  # datasets wraps what the reader raised
+        cause = exc.__cause__
+        while cause is not None and not isinstance(cause, DataError):
+            cause = cause.__cause__ or cause.__context__
+        raise (cause or exc) from None

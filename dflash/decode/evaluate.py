@@ -1,0 +1,181 @@
+"""The numbers that judge a drafter: tau, tokens/s against plain decoding, and losslessness.
+
+`evaluate` runs each prompt twice, side by side under the same conditions: speculative decoding
+(dflash.spec_decode, the drafter proposing, the target verifying) and plain decoding by the target
+alone, both with the target's caches (dflash.target_cache) unless use_cache=False. speed-up = spec
+tokens/s / plain tokens/s. At temperature 0 the two outputs must be equal token for token ("lossless");
+at temperature > 0 they are samples and cannot be compared one by one: the speculative-sampling rule is
+lossless in distribution, which tests/test_spec_sampling.py checks on a small vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import torch
+from tqdm import tqdm
+
+from dflash.errors import DataError
+from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.decode.proposers import (  # noqa: F401  (re-exported: the names callers import from here)
+    Draft, DrafterProposer, Proposer, RepeatLastProposer, Sampler, as_proposer,
+)
+from dflash.decode.spec_decode import (  # noqa: F401
+    SpecResult, greedy_generate, speculative_generate, target_generate,
+)
+from dflash.decode.target_state import TargetCache
+
+log = logging.getLogger(__name__)
+
+
+def _default_stops(target) -> list[int]:
+    eos = getattr(target.tokenizer, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def check_prompt_lengths(target, prompts: list[list[int]], max_new_tokens: int, block_size: int) -> None:
+    """Raise DataError when a prompt plus its new tokens (and one block) exceeds the target's context."""
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + block_size > limit]
+    if too_long:
+        longest = max(len(prompts[i]) for i in too_long)
+        raise DataError(f"{len(too_long)} prompt(s) (first: #{too_long[0]}, longest {longest} tokens) plus "
+                        f"--max-new-tokens {max_new_tokens} and a block of {block_size} exceed the target's "
+                        f"context of {limit} positions (max_position_embeddings); lower --max-new-tokens or "
+                        "drop the longest prompts")
+
+
+def cache_mode(target, use_cache: bool) -> str:
+    """"on", "off", or "off (why)" when the target's cache cannot be rolled back exactly."""
+    if not use_cache:
+        return "off"
+    reason = TargetCache.unsupported_reason(target)
+    if reason is None:
+        return "on"
+    log.warning("no exact cache rollback for this target (%s): evaluating on the exact uncached path", reason)
+    return f"off ({reason})"
+
+
+def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *, block_size: int | None = None,
+             stop_token_ids: Iterable[int] | None = None, check_lossless: bool = True, progress: bool = False,
+             use_cache: bool = True, temperature: float = 0.0, seed: int = 0) -> dict:
+    """Speculative decoding over `prompts` beside plain decoding by the target: tau, throughput, speed-up,
+    and (temperature 0) whether every output equals greedy decoding.
+
+    Returns {"tau", "tokens_per_s", "lossless" (None at temperature > 0 or unchecked), "n_prompts",
+             "n_tokens", "verify_steps", "accept_histogram" (count per accepted length 1..bs),
+             "mismatched_prompts" (indices whose output differed from greedy), "cache" ("on", "off",
+             "off (why)"), "temperature", and with check_lossless: "greedy_tokens_per_s" (plain decoding
+             by the target, greedy or sampled at the same temperature) and "speedup"}.
+    check_lossless=False skips the plain decoding. Generation stops at the tokenizer's EOS unless
+    stop_token_ids says otherwise. Prompt i samples with torch.Generator seeded seed + i.
+    """
+    proposer = as_proposer(drafter, block_size, incremental=use_cache)
+    stops = _default_stops(target) if stop_token_ids is None else list(stop_token_ids)
+    check_prompt_lengths(target, prompts, max_new_tokens, proposer.block_size)
+    mode = cache_mode(target, use_cache)
+    cached = mode == "on"
+
+    def sampler(i):
+        return Sampler(temperature, torch.Generator().manual_seed(seed + i) if temperature > 0 else None)
+
+    if prompts:  # warm-up, untimed: the first pass of each path pays one-time allocations and dispatch
+        speculative_generate(target, proposer, prompts[0], 2, use_cache=cached, sampler=sampler(0))
+        if check_lossless:
+            target_generate(target, prompts[0], 2, use_cache=cached, sampler=sampler(0))
+    accepted, steps, tokens, plain_tokens, spec_s, plain_s = 0, 0, 0, 0, 0.0, 0.0
+    histogram = [0] * proposer.block_size
+    mismatched = []
+    for i, prompt in enumerate(tqdm(prompts, desc="evaluate", disable=not progress, unit="prompt")):
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens, stop_token_ids=stops,
+                                    use_cache=cached, sampler=sampler(i))
+        accepted, steps, tokens = accepted + sum(spec.accept_lengths), steps + spec.verify_steps, tokens + len(spec.tokens)
+        spec_s += spec.seconds
+        for length in spec.accept_lengths:
+            histogram[length - 1] += 1
+        if check_lossless:
+            t0 = time.perf_counter()
+            plain = target_generate(target, prompt, max_new_tokens, stops, use_cache=cached, sampler=sampler(i))
+            plain_s += time.perf_counter() - t0
+            plain_tokens += len(plain)
+            if temperature <= 0 and plain != spec.tokens:
+                mismatched.append(i)
+    report = {
+        "tau": accepted / steps if steps else 0.0,
+        "tokens_per_s": tokens / spec_s if spec_s else 0.0,
+        "lossless": not mismatched if check_lossless and temperature <= 0 else None,
+        "n_prompts": len(prompts), "n_tokens": tokens, "verify_steps": steps,
+        "accept_histogram": histogram, "mismatched_prompts": mismatched,
+        "cache": mode, "temperature": temperature,
+    }
+    if check_lossless and plain_s:
+        report["greedy_tokens_per_s"] = plain_tokens / plain_s
+        report["speedup"] = report["tokens_per_s"] / report["greedy_tokens_per_s"]
+    return report
+
+
+def load_for_eval(target_dir, drafter_dir, device="cpu", target_dtype=torch.float32):
+    """(Target, Drafter) for evaluating the drafter in `drafter_dir` (the reference DFlash layout: one
+    written by dflash-train, or a published one) on the target in `target_dir`.
+
+    Everything is checked before a weight is read: the drafter's config.json and tensor names, then
+    its fit to the target's config.json (hidden size, layer count, tapped ids, vocabulary, mask token);
+    the target is then tapped at the drafter's layers with its mask token. A drafter that names the
+    target it was trained for (target_fingerprint) must name this one. On a CPU, bf16 weights are
+    upcast to float32 (dflash.drafter_io.load_drafter says so in the log).
+    """
+    from dflash.io.drafter import check_fits_target, load_drafter, read_drafter_config, target_shape
+    from dflash.model.target import Target
+
+    config = read_drafter_config(drafter_dir)
+    where = f"the drafter in {drafter_dir}"
+    check_fits_target(config, target_shape(target_dir), where)
+    target = Target.load(target_dir, device=device, dtype=target_dtype, layer_ids=config.target_layer_ids,
+                         mask_token=config.mask_token_id)
+    check_fits_target(config, target, where)
+    return target, load_drafter(drafter_dir, device=device).eval()
+
+
+def untrained_drafter(target, config: DrafterConfig | None = None, seed: int = 0, **overrides) -> Drafter:
+    """A freshly initialised drafter shaped like the trained one (without touching the global RNG)."""
+    config = config or DrafterConfig.from_target(target, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = Drafter(config)
+    return drafter.to(device=target.device, dtype=target.dtype)
+
+
+def evaluate_baseline(target, prompts: list[list[int]], max_new_tokens: int, kind: str = "repeat_last", *,
+                      block_size: int = 16, config: DrafterConfig | None = None, seed: int = 0,
+                      **kwargs) -> dict:
+    """evaluate() for a baseline: "repeat_last" (anchor repeated) or "untrained" (a fresh drafter,
+    initialised from `seed`, which also seeds the sampling as in evaluate)."""
+    if kind == "repeat_last":
+        proposer = RepeatLastProposer(config.block_size if config else block_size)
+    elif kind == "untrained":
+        drafter = (untrained_drafter(target, config, seed, block_size=block_size) if config is None
+                   else untrained_drafter(target, config, seed))
+        proposer = DrafterProposer(drafter, incremental=kwargs.get("use_cache", True))
+    else:
+        raise ValueError(f"unknown baseline {kind!r}; choose 'repeat_last' or 'untrained'")
+    return evaluate(target, proposer, prompts, max_new_tokens, seed=seed, **kwargs)
+
+
+def format_results(results: dict[str, dict]) -> str:
+    """A small table: one row per method: tau, spec tokens/s, plain decoding's tokens/s, speed-up,
+    lossless; then the cache mode and temperature they ran with."""
+    rows = [f"{'method':<20} {'tau':>6} {'tokens/s':>10} {'plain tok/s':>12} {'speed-up':>9} {'lossless':>9}"]
+    for name, r in results.items():
+        plain, speedup = r.get("greedy_tokens_per_s"), r.get("speedup")
+        rows.append(f"{name:<20} {r['tau']:>6.2f} {r['tokens_per_s']:>10.1f} "
+                    f"{f'{plain:.1f}' if plain else '-':>12} {f'{speedup:.2f}x' if speedup else '-':>9} "
+                    f"{str(r.get('lossless', '-')):>9}")
+    first = next(iter(results.values()), {})
+    if "cache" in first:
+        rows.append(f"(target cache {first['cache']}, temperature {first.get('temperature', 0.0)}; plain = the "
+                    "target alone, same cache; speed-up = tokens/s / plain tok/s)")
+    return "\n".join(rows)

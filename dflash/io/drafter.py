@@ -1,0 +1,379 @@
+"""The drafter on disk, in the reference DFlash layout that serving engines and published drafters use.
+
+    DIR/config.json          Qwen3 keys + DFlash keys (below); AutoConfig reads it as a Qwen3Config
+    DIR/model.safetensors    the drafter's tensors, bf16 by default, names without a "model." prefix
+                             (a sharded model.safetensors.index.json + shards is read as well)
+
+config.json, as `reference_config` writes it (one key per DrafterConfig field, except the two that nest):
+
+    model_type "qwen3", architectures ["DFlashDraftModel"]        vLLM registry.py maps the architecture
+                                                                  to qwen3_dflash; SGLang models/dflash.py
+    hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+    hidden_act "silu", rms_norm_eps, attention_bias false, max_position_embeddings, vocab_size,
+    rope_theta + rope_parameters {rope_theta, rope_type "default"}    both: transformers 5 reads the
+                                                                  second, older readers the first
+    layer_types, sliding_window, use_sliding_window, max_window_layers   AutoConfig drops sliding_window
+                                                                  unless use_sliding_window is true
+    block_size, num_target_layers
+    dflash_config {target_layer_ids, mask_token_id}              id l = output of target decoder layer l,
+                                                                  i.e. HF hidden_states[l + 1]
+    dtype, tie_word_embeddings false, use_cache, attention_dropout, initializer_range
+    target_fingerprint                                           this project only; engines ignore it
+
+Tensors: fc, hidden_norm, norm, layers.N.{input_layernorm, post_attention_layernorm},
+layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.{q,k}_norm, layers.N.mlp.{gate,up,down}_proj
+(all `.weight`): exactly the module tree of `dflash.model.Drafter`, so `expected_tensors` asks the model.
+No embedding and no LM head: the target's are used.
+
+Reading checks everything before a weight is loaded: the config (model type, architecture, DFlash keys,
+features this drafter does not implement), then the tensor names and shapes from the safetensors
+header, then (`check_fits_target`) the target. Every failure is a DrafterError naming the problem and
+the fix. (`dflash.drafter_legacy` converts the project's older "dflash-drafter/1" directories.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.fsutil import atomic_write
+
+from dflash.errors import DrafterError
+from dflash.model.drafter import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+MODEL_TYPE = "qwen3"
+ARCHITECTURE = "DFlashDraftModel"
+LEGACY_FORMAT = "dflash-drafter/1"  # the project's own layout before this one
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Keys inside dflash_config that this project implements; any other one changes the drafter's math
+# (attention sinks, causal overrides, projectors: vLLM qwen3_dflash.py, SGLang dflash_utils.py).
+_DFLASH_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "num_target_layers"}
+
+
+# --- writing -----------------------------------------------------------------------------------------
+def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """config.json of `config` in the reference layout (keys sorted when written)."""
+    sliding = SLIDING in config.layer_types
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": config.block_size,
+        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id},
+        "dtype": DTYPE_NAMES[dtype],
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": config.hidden_size,
+        "initializer_range": config.initializer_range,
+        "intermediate_size": config.intermediate_size,
+        "layer_types": list(config.layer_types),
+        "max_position_embeddings": config.max_position_embeddings,
+        "max_window_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_key_value_heads": config.num_key_value_heads,
+        "num_target_layers": config.num_target_layers,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+        "rope_scaling": None,
+        "rope_theta": config.rope_theta,
+        "sliding_window": config.sliding_window if sliding else None,
+        "target_fingerprint": config.target_fingerprint,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": sliding,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of a drafter of this shape -> its shape (the module tree, built on `meta`)."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in Drafter(config).state_dict().items()}
+
+
+def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.bfloat16) -> Path:
+    """Write `drafter` to `directory` in the reference layout, its weights cast to `dtype` (None: as
+    they are, e.g. float32 for a training checkpoint). Each file appears whole or not at all; the
+    config goes last, so a directory with a config.json always has its weights beside it."""
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    dtype = dtype or drafter.fc.weight.dtype
+    if dtype not in DTYPE_NAMES:
+        raise DrafterError(f"cannot save a drafter as {dtype}; use one of {', '.join(DTYPE_NAMES.values())}")
+    state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
+    atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
+    config = json.dumps(reference_config(drafter.config, dtype), indent=2, sort_keys=True) + "\n"
+    atomic_write(directory / CONFIG_NAME, config)
+    return directory
+
+
+# --- reading: the config -------------------------------------------------------------------------------
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DrafterError(f"{path} is not valid JSON ({exc}); restore the config.json that came with the drafter")
+    if not isinstance(data, dict):
+        raise DrafterError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def _rope_theta(data: dict, where: Path) -> float:
+    rope = data.get("rope_parameters") or {}
+    scaling = data.get("rope_scaling") or {}
+    for name, params in (("rope_parameters", rope), ("rope_scaling", scaling)):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise DrafterError(f"{where}: {name} has rope_type {kind!r}; this project's drafter implements plain "
+                               "RoPE only (rope_type 'default', as every published DFlash drafter uses)")
+    # vLLM falls back to 1e6 (set_default_rope_theta); the key is present in every published config.
+    return float(rope.get("rope_theta", data.get("rope_theta", 1_000_000.0)))
+
+
+def _layer_types(data: dict, n_layers: int, where: Path) -> tuple[list[str], int | None]:
+    window = data.get("sliding_window")
+    if "layer_types" in data and data["layer_types"] is not None:
+        types = list(data["layer_types"])
+    else:  # Qwen3Config's own default: sliding from max_window_layers on, when a window is in use
+        in_use = bool(data.get("use_sliding_window")) and window is not None
+        start = int(data.get("max_window_layers", n_layers))
+        types = [SLIDING if in_use and i >= start else FULL for i in range(n_layers)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise DrafterError(f"{where}: layer_types has {unknown}; a DFlash drafter layer is one of {list(LAYER_TYPES)}")
+    if SLIDING not in types:
+        return types, None
+    if not data.get("use_sliding_window") or not isinstance(window, int) or window < 1:
+        raise DrafterError(
+            f"{where}: layer_types has sliding_attention layers but use_sliding_window is "
+            f"{data.get('use_sliding_window')!r} and sliding_window {window!r}. transformers' Qwen3Config drops the "
+            "window unless use_sliding_window is true, and vLLM / SGLang then refuse the drafter: set "
+            "\"use_sliding_window\": true and \"sliding_window\": <window in tokens>")
+    return types, window
+
+
+def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> DrafterConfig:
+    """DrafterConfig of a reference-layout config.json, or a DrafterError naming what is wrong."""
+    where = Path(where)
+    if data.get("format") == LEGACY_FORMAT:
+        raise DrafterError(
+            f"{where} is an older drafter of this project ({LEGACY_FORMAT}), which serving engines cannot read; "
+            f"convert it: dflash export {where.parent} NEW_DIR --target TARGET_DIR")
+    if data.get("model_type") != MODEL_TYPE:
+        raise DrafterError(
+            f"{where} has model_type {data.get('model_type')!r}; a DFlash drafter in the reference layout has "
+            f"\"model_type\": \"{MODEL_TYPE}\" and \"architectures\": [\"{ARCHITECTURE}\"]. Pass the drafter's "
+            "directory, not the target's")
+    if ARCHITECTURE not in (data.get("architectures") or []):
+        raise DrafterError(
+            f"{where} has architectures {data.get('architectures')!r}, not [\"{ARCHITECTURE}\"]: vLLM picks the "
+            f"drafter model by this name, and other DFlash variants ({', '.join(data.get('architectures') or [])}) "
+            "compute something else. This project reads DFlashDraftModel drafters only")
+    dflash = data.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise DrafterError(
+            f"{where} has no dflash_config; a DFlash drafter needs \"dflash_config\": {{\"target_layer_ids\": "
+            "[...], \"mask_token_id\": N}} (the target layers it reads and the MASK token of its blocks)")
+    missing = [k for k in ("target_layer_ids", "mask_token_id") if dflash.get(k) is None]
+    missing += [k for k in ("block_size", "num_target_layers", "hidden_size", "num_hidden_layers",
+                            "num_attention_heads", "intermediate_size", "vocab_size")
+                if data.get(k, dflash.get(k)) is None]
+    if missing:
+        raise DrafterError(f"{where} lacks {', '.join(missing)} (dflash_config holds target_layer_ids and "
+                           "mask_token_id; the rest are top-level keys); add them from the drafter's training config")
+    unsupported = sorted(set(dflash) - _DFLASH_KEYS)
+    if data.get("is_causal") is not None:
+        unsupported.append("is_causal")
+    if data.get("attention_bias"):
+        unsupported.append("attention_bias")
+    if data.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act {data['hidden_act']!r}")
+    if unsupported:
+        raise DrafterError(f"{where} uses {', '.join(unsupported)}, which this project's drafter does not implement "
+                           "(it would compute other outputs than the engines); only DFlashDraftModel drafters with "
+                           f"dflash_config keys {sorted(_DFLASH_KEYS)} load here")
+    ids = [int(i) for i in dflash["target_layer_ids"]]
+    eagle_ids = data.get("eagle_aux_hidden_state_layer_ids")
+    if eagle_ids is not None and [int(i) for i in eagle_ids] != [i + 1 for i in ids]:
+        # vLLM eagle3_utils.py prefers this key as-is over dflash_config.target_layer_ids (+1).
+        raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids {eagle_ids} disagrees with target_layer_ids "
+                           f"{ids} (vLLM would tap {eagle_ids}, this project {[i + 1 for i in ids]}); remove the key")
+    n_layers = int(data["num_hidden_layers"])
+    heads = int(data["num_attention_heads"])
+    layer_types, window = _layer_types(data, n_layers, where)
+    try:
+        return DrafterConfig(
+            hidden_size=int(data["hidden_size"]), num_hidden_layers=n_layers, num_attention_heads=heads,
+            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
+            intermediate_size=int(data["intermediate_size"]), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(data, where),
+            max_position_embeddings=int(data.get("max_position_embeddings") or 40960),
+            vocab_size=int(data["vocab_size"]), block_size=int(data.get("block_size", dflash.get("block_size"))),
+            num_target_layers=int(data.get("num_target_layers", dflash.get("num_target_layers"))),
+            target_layer_ids=ids, mask_token_id=int(dflash["mask_token_id"]),
+            layer_types=layer_types, sliding_window=window,
+            initializer_range=float(data.get("initializer_range", 0.02)),
+            target_fingerprint=str(data.get("target_fingerprint") or ""),
+        )
+    except ValueError as exc:
+        raise DrafterError(f"{where}: {exc}") from exc
+
+
+# --- reading: the weights ------------------------------------------------------------------------------
+def weight_files(directory: Path) -> list[Path]:
+    if (directory / WEIGHTS_NAME).is_file():
+        return [directory / WEIGHTS_NAME]
+    if (directory / WEIGHTS_INDEX_NAME).is_file():
+        shards = sorted(set(read_json(directory / WEIGHTS_INDEX_NAME).get("weight_map", {}).values()))
+        absent = [s for s in shards if not (directory / s).is_file()]
+        if not shards or absent:
+            raise DrafterError(f"{directory / WEIGHTS_INDEX_NAME} names shards that are not there: "
+                               f"{absent or 'none at all'}; download the drafter's files again")
+        return [directory / s for s in shards]
+    raise DrafterError(f"{directory} has a {CONFIG_NAME} but no {WEIGHTS_NAME}; the drafter's weights are missing")
+
+
+def _stored_tensors(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) from the safetensors headers, without reading a weight."""
+    from safetensors import safe_open
+
+    found = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    found[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        except Exception as exc:  # SafetensorError (a truncated or foreign file) is not an OSError
+            raise DrafterError(f"{path} is damaged: {type(exc).__name__}: {exc}; copy or write it again") from None
+    return found
+
+
+def check_tensors(config: DrafterConfig, stored: dict, directory: Path) -> None:
+    expected = expected_tensors(config)
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(expected))
+    if missing or extra:
+        hint = ""
+        if any(n.startswith("model.") for n in extra):
+            hint = " The file's names carry a \"model.\" prefix, which the reference layout has none of."
+        elif any(".mlp." not in n and n.endswith(("gate_proj.weight", "up_proj.weight")) for n in extra):
+            hint = f" MLP weights without \"mlp.\" are the older project layout: convert with dflash export {directory} NEW_DIR."
+        raise DrafterError(
+            f"the tensors in {directory} do not match its {CONFIG_NAME} ({config.num_hidden_layers} layers): "
+            f"missing {missing or 'none'}; extra {extra or 'none'}.{hint} Nothing was loaded: a drafter with "
+            "uninitialised weights would decode garbage without an error")
+    shapes = [f"{n}: file {stored[n][0]}, config {s}" for n, s in expected.items() if stored[n][0] != s]
+    if shapes:
+        raise DrafterError(f"the tensors in {directory} have other shapes than its {CONFIG_NAME} says: "
+                           + "; ".join(shapes))
+
+
+def read_drafter_config(directory) -> DrafterConfig:
+    """The DrafterConfig of a reference-layout directory, after checking its tensor names and shapes
+    (from the file headers: no weight is read)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DrafterError(f"drafter directory {directory} does not exist; pass a directory holding "
+                           f"{CONFIG_NAME} + {WEIGHTS_NAME} (e.g. <out>/drafter of dflash-train)")
+    if not (directory / CONFIG_NAME).is_file():
+        what = "weights but" if any(directory.glob("*.safetensors")) else "nothing like a drafter:"
+        raise DrafterError(f"{directory} holds {what} no {CONFIG_NAME}; a drafter needs the config.json that came "
+                           "with its weights (model_type qwen3, architectures [DFlashDraftModel], dflash_config)")
+    config = parse_reference_config(read_json(directory / CONFIG_NAME), directory / CONFIG_NAME)
+    check_tensors(config, _stored_tensors(weight_files(directory)), directory)
+    return config
+
+
+def load_drafter(directory, device="cpu", dtype: torch.dtype | None = None, attention: str = "sdpa") -> Drafter:
+    """A Drafter from a reference-layout directory, checked first (read_drafter_config).
+
+    dtype None keeps the stored dtype, except on a CPU, where bf16/fp16 weights are upcast to float32
+    (exactly: every bf16 value is a float32 value) since CPU half-precision matmuls are slow and round
+    differently from a GPU's.
+    """
+    from safetensors.torch import load_file
+
+    directory, device = Path(directory), torch.device(device)
+    config = read_drafter_config(directory)
+    state = {}
+    for path in weight_files(directory):
+        state.update(load_file(str(path), device=str(device)))
+    stored = next(v.dtype for v in state.values() if v.is_floating_point())
+    if dtype is None:
+        dtype = stored
+        if device.type == "cpu" and stored in (torch.bfloat16, torch.float16):
+            dtype = torch.float32
+            log.warning("drafter %s holds %s weights; upcast to float32 for the CPU (exact)", directory,
+                        DTYPE_NAMES[stored])
+    with torch.device("meta"):
+        drafter = Drafter(config, attention=attention)
+    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return drafter
+
+
+# --- the target ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetShape:
+    """What a drafter must agree with, read from a target's config.json (no weights loaded)."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    fingerprint: str | None = None  # only a loaded Target computes it
+
+
+def target_shape(path) -> TargetShape:
+    """TargetShape of the HF model directory (or Hub model id: dflash.target.resolve_target) `path`,
+    from its config.json alone."""
+    from transformers import AutoConfig
+
+    from dflash.model.target import resolve_target
+
+    path = resolve_target(path)
+    if not (path / CONFIG_NAME).is_file():
+        raise DrafterError(f"{path} is not a model directory (no {CONFIG_NAME}); pass the target's local directory")
+    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    return TargetShape(int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size),
+                       int(getattr(text, "max_position_embeddings", None) or 40960))
+
+
+def check_fits_target(config: DrafterConfig, target, where: str = "the drafter") -> None:
+    """Refuse a drafter that does not fit `target` (a Target or a TargetShape); names every mismatch."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {config.hidden_size} != the target's {target.hidden_size}")
+    if config.num_target_layers != target.num_layers:
+        problems.append(f"num_target_layers {config.num_target_layers} != the target's {target.num_layers} layers")
+    bad = [i for i in config.target_layer_ids if i >= target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} do not exist in a {target.num_layers}-layer target")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {config.vocab_size} != the target's {target.vocab_size}")
+    if config.mask_token_id >= target.vocab_size:
+        problems.append(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary "
+                        f"(0..{target.vocab_size - 1})")
+    fingerprint = getattr(target, "fingerprint", None)
+    if not problems and fingerprint and config.target_fingerprint and config.target_fingerprint != fingerprint:
+        problems.append(f"its target_fingerprint {config.target_fingerprint} != the target's {fingerprint} "
+                        "(same sizes, other architecture or vocabulary)")
+    if problems:
+        raise DrafterError(f"{where} was trained for a different target: {'; '.join(problems)}. "
+                           "Pass the target it was trained for (or a drafter trained for this target)")

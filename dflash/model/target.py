@@ -1,0 +1,385 @@
+"""The frozen target model: any Hugging Face causal LM, run forward only.
+
+The drafter borrows three things from the target and trains nothing in it:
+
+    embed(ids)        the target's embed_tokens          [B,T] -> [B,T,H]
+    lm_head(hidden)   the target's output head           [...,H] -> [...,V]
+    context(ids)      hidden states of the tapped layers [B,T] -> [B,T,k*H]
+
+Qwen3.5 hybrids (`qwen3_5`, `qwen3_5_text`: GatedDeltaNet linear-attention layers + full-attention
+layers) and Qwen3 are first-class; anything `AutoModelForCausalLM` loads with a `.layers` stack works.
+
+transformers 5.15+ resolves each GatedDeltaNet kernel function (`chunk_gated_delta_rule`, ...) once, at
+import, to the installed package (fla, causal-conv1d) or to its torch reference. 5.24 does not look at
+the device, so with fla installed a CPU forward reaches Triton and dies ("0 active drivers"); 5.25
+added the device check. `route_kernels_by_device` applies the same rule here: CUDA tensors take the
+resolved kernel, anything else the torch reference. `kernel_report` says which one each function gets;
+`kernel_functions` is the one reader of that dispatch, also used by the doctor's dispatch check.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from dflash.errors import TargetError
+
+log = logging.getLogger(__name__)
+
+# Mask tokens of the real model families (research/dflash.md): used only when the tokenizer declares no
+# mask token and the id is a row of the target's embedding.
+KNOWN_MASK_TOKEN_IDS = {"qwen3_5": 248070, "qwen3_5_text": 248070, "qwen3": 151669}
+
+# Config keys that define the target's shape; the fingerprint hashes these (weights are not hashed:
+# reading 50 GB to name a checkpoint would make every load slow).
+_FINGERPRINT_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "layer_types",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+)
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """`n` layer ids spread evenly from 1 to num_layers-3 (the upstream DFlash rule).
+
+    Qwen3-8B (36 layers) -> [1, 9, 17, 25, 33]; a 64-layer Qwen3.5-27B -> [1, 16, 31, 46, 61].
+    One layer -> [num_layers // 2].
+    """
+    if n < 1:
+        raise TargetError(f"need at least one tapped layer, got n={n}")
+    if n == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    if end - start + 1 < n:
+        raise TargetError(
+            f"a {num_layers}-layer target has only {max(0, end - start + 1)} layers in 1..{end} to tap, "
+            f"fewer than the {n} requested; ask for n <= {max(1, end - start + 1)} or pass explicit layer ids"
+        )
+    span = end - start
+    return [int(round(start + i * span / (n - 1))) for i in range(n)]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Return `layer_ids` as ints, or raise naming the bad ids and the valid range."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise TargetError("layer_ids is empty; pass at least one layer id, e.g. default_layer_ids(num_layers)")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise TargetError(
+            f"layer ids {bad} do not exist: the target has {num_layers} layers (ids 0..{num_layers - 1}); "
+            f"use ids in that range, e.g. {default_layer_ids(num_layers, min(5, max(1, num_layers - 3)))}"
+        )
+    if len(set(ids)) != len(ids):
+        raise TargetError(f"layer ids {ids} repeat a layer; each tapped layer must be distinct")
+    return ids
+
+
+# --------------------------------------------------------------------------------------------------
+# GatedDeltaNet kernel dispatch
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelFunction:
+    """One function transformers resolved through `use_kernel_func_from_hub_with_fallback`."""
+
+    name: str                 # the kernel's own name, e.g. "chunk_gated_delta_rule"
+    attr: str                 # the module attribute holding it, e.g. "torch_chunk_gated_delta_rule"
+    package: str              # where the fast one comes from: "fla" or "causal_conv1d"
+    fast: bool                # True when it resolved to the package's kernel, not the torch reference
+    implementation: Callable  # what the wrapper calls: the package's kernel, or torch_function
+    torch_function: Callable  # the torch reference
+
+
+# The free variables of transformers' fallback wrapper (integrations/hub_kernels.py, 5.24) that say
+# what it resolved; a wrapper without all of them is not one this code knows how to read.
+_WRAPPER_CELLS = frozenset({"func_name", "package", "implementation", "torch_function"})
+
+
+def _closure(fn: Callable) -> dict:
+    cells = fn.__closure__ or ()
+    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
+
+
+def _kernel_wrapper_state(fn: Callable) -> dict | None:
+    """The closure of transformers' fallback wrapper inside `fn`, following `__wrapped__` through
+    outer wrappers (a hub-kernels decorator, or `_device_router`), or None."""
+    seen = 0
+    while fn is not None and seen < 8:
+        if inspect.isfunction(fn):
+            state = _closure(fn)
+            if _WRAPPER_CELLS <= state.keys():
+                return state
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return None
+
+
+def kernel_functions(module: ModuleType) -> list[KernelFunction]:
+    """Every per-function kernel dispatch point a transformers modeling module defines.
+
+    transformers 5.24 wraps each with `use_kernel_func_from_hub_with_fallback(func_name, package)`,
+    which picks the implementation ONCE, when the model module is imported: the function in
+    `importlib.import_module(package)`, else the torch reference. The choice lives in the wrapper's
+    closure; at call time a fallback only logs "`{func}` is falling back to its reference PyTorch
+    implementation". Reading the closure tells the same without running a kernel, so it works on a
+    machine without a GPU.
+    """
+    found = []
+    for attr, value in sorted(vars(module).items()):
+        if not callable(value):
+            continue
+        state = _kernel_wrapper_state(value)
+        if state is None:
+            continue
+        found.append(KernelFunction(
+            name=state["func_name"], attr=attr, package=state["package"],
+            fast=state["implementation"] is not state["torch_function"],
+            implementation=state["implementation"], torch_function=state["torch_function"],
+        ))
+    return found
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _device_router(wrapper: Callable, torch_function: Callable) -> Callable:
+    """`wrapper` for CUDA inputs, `torch_function` (with the kwargs it accepts) for anything else."""
+    params = inspect.signature(torch_function).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(wrapper)
+    def routed(*args, **kwargs):
+        first = _first_tensor(args, kwargs)
+        if first is not None and first.is_cuda:
+            return wrapper(*args, **kwargs)
+        if not takes_any:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        return torch_function(*args, **kwargs)
+
+    routed.__dflash_routed__ = True
+    return routed
+
+
+def route_kernels_by_device(module: ModuleType) -> None:
+    """Make `module`'s kernel functions send non-CUDA tensors to their torch reference (idempotent)."""
+    for fn in kernel_functions(module):
+        current = getattr(module, fn.attr)
+        if fn.fast and not getattr(current, "__dflash_routed__", False):
+            setattr(module, fn.attr, _device_router(current, fn.torch_function))
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding the target: a local directory, or a Hub model id
+# --------------------------------------------------------------------------------------------------
+# What a target needs from a Hub repository: config, tokenizer, chat template and safetensors weights
+# (never the .bin/.pt/.gguf copies some repositories also carry).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "\\" not in name
+
+
+def resolve_target(name) -> Path:
+    """--target as a directory: a local one as it is, or a Hub model id (org/name) resolved from the local
+    HF cache ($HF_HUB_CACHE, models--org--name/snapshots/<rev>/), offline, through huggingface_hub's
+    local-files-only snapshot lookup; when it is not cached and the network is allowed (HF_HUB_OFFLINE
+    unset), downloaded into that cache. The error says which of the two was tried and why each failed."""
+    import os
+
+    path = Path(name).expanduser()
+    if path.is_dir() or not _looks_like_hub_id(str(name)):
+        if not path.is_dir():
+            raise TargetError(f"--target {name}: no such directory, and not a Hub model id (org/name); pass the "
+                              "local directory with config.json, weights and tokenizer, or a model id like Qwen/Qwen3-8B")
+        return path
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(str(name), cache_dir=cache, local_files_only=True, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # LocalEntryNotFoundError, or a snapshot missing files
+        in_cache = f"the local HF cache {cache} ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    if offline:
+        raise TargetError(f"--target {name}: not a local directory and not in {in_cache}; downloading was not "
+                          "tried because HF_HUB_OFFLINE is set. Download it where the network allows "
+                          f"(huggingface-cli download {name}) into that cache, or pass a local directory")
+    try:
+        log.info("downloading %s into %s", name, cache)
+        return Path(snapshot_download(str(name), cache_dir=cache, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:
+        raise TargetError(f"--target {name}: not a local directory, not in {in_cache}, and downloading it failed "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the id, "
+                          "the network and HF_TOKEN for gated models, or pass a local directory") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# The target
+# --------------------------------------------------------------------------------------------------
+def _resolve_mask_token(tokenizer, model_type: str, vocab_rows: int, mask_token) -> int:
+    """The mask token's id, from `mask_token` (str or int), the tokenizer, or the family's known id."""
+    if isinstance(mask_token, int):
+        token_id = mask_token
+    elif isinstance(mask_token, str):
+        token_id = tokenizer.convert_tokens_to_ids(mask_token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise TargetError(
+                f"mask token {mask_token!r} is not in the target's vocabulary; pass an existing token, or "
+                f"add it: tok.add_special_tokens({{'mask_token': {mask_token!r}}}); "
+                "model.resize_token_embeddings(len(tok)); save both back to the target directory"
+            )
+    elif tokenizer.mask_token_id is not None:
+        token_id = tokenizer.mask_token_id
+    elif KNOWN_MASK_TOKEN_IDS.get(model_type, vocab_rows) < vocab_rows:
+        token_id = KNOWN_MASK_TOKEN_IDS[model_type]
+        log.info("tokenizer declares no mask token; using the %s family's mask id %d", model_type, token_id)
+    else:
+        raise TargetError(
+            "the target's tokenizer has no mask token (tokenizer.mask_token is None); DFlash blocks are "
+            "[anchor, MASK x (block_size-1)]. Pass mask_token='<|MASK|>' (a token already in the vocab) "
+            "or mask_token=<id>, or add one: tok.add_special_tokens({'mask_token': '<|MASK|>'}); "
+            "model.resize_token_embeddings(len(tok)); save both back to the target directory"
+        )
+    if not 0 <= token_id < vocab_rows:
+        raise TargetError(
+            f"mask token id {token_id} is outside the target's embedding ({vocab_rows} rows); "
+            "resize the target's embeddings to include it (model.resize_token_embeddings(len(tok)))"
+        )
+    return int(token_id)
+
+
+class Target:
+    """A frozen causal LM with tapped layers. Build it with `Target.load(path)`."""
+
+    def __init__(self, model, tokenizer, *, layer_ids: list[int] | None = None, mask_token=None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config()
+        self._decoder = model.get_decoder()
+        self._layers = self._decoder.layers
+        self.num_layers = len(self._layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self._embed = model.get_input_embeddings()
+        self._head = model.get_output_embeddings()
+        self.vocab_size = int(self._head.weight.shape[0])
+        if layer_ids is None:
+            layer_ids = default_layer_ids(self.num_layers, min(5, max(1, self.num_layers - 3)))
+        self.layer_ids = check_layer_ids(layer_ids, self.num_layers)
+        self.mask_token_id = _resolve_mask_token(
+            tokenizer, self.config.model_type, int(self._embed.weight.shape[0]), mask_token)
+        self._modeling_module = sys.modules[type(model).__module__]
+        route_kernels_by_device(self._modeling_module)
+
+    @classmethod
+    def load(cls, path, *, device="cpu", dtype=torch.float32, layer_ids=None, mask_token=None) -> "Target":
+        """Load model + tokenizer from a local HF directory or a Hub model id (see `resolve_target`)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_target(path)
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path} is not a model directory (no config.json); pass the local directory "
+                              "that holds config.json, the weights and the tokenizer files")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        return cls(model.to(device), tokenizer, layer_ids=layer_ids, mask_token=mask_token)
+
+    # ---- facts ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._embed.weight.dtype
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits naming the target's architecture, sizes and vocabulary (not its weights).
+
+        Only the text model counts: a Qwen3.5 checkpoint with its vision tower and the same model saved
+        text-only get the same fingerprint, so a drafter trained on one is accepted for the other.
+        """
+        cfg = self.config.to_dict()
+        record = {key: cfg.get(key) for key in _FINGERPRINT_KEYS}
+        record["embedding_rows"] = self.vocab_size
+        blob = json.dumps(record, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def kernel_report(self) -> dict[str, str]:
+        """Each GatedDeltaNet kernel function -> "fast" or "fallback" for this target's device ({} if none)."""
+        on_cuda = self.device.type == "cuda"
+        return {fn.name: "fast" if fn.fast and on_cuda else "fallback"
+                for fn in kernel_functions(self._modeling_module)}
+
+    # ---- the frozen pieces the drafter borrows -----------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B,T] token ids -> [B,T,H] embeddings (frozen)."""
+        return self._embed(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[...,H] -> [...,V] logits. The target's final norm is NOT applied: the drafter has its own."""
+        return self._head(hidden)
+
+    @property
+    def head_weight(self) -> torch.Tensor | None:
+        """The LM head's [V,H] weight when the head is a bias-free Linear (every Qwen3 and Qwen3.5), else
+        None: the training step fuses the head with its loss (dflash.head_loss) only through this weight."""
+        plain = isinstance(self._head, torch.nn.Linear) and self._head.bias is None
+        return self._head.weight if plain else None
+
+    def _run(self, input_ids, attention_mask=None, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder pass: ([B,T,H] last hidden after the final norm, [B,T,k*H] tapped states).
+        cache_kwargs (none: no cache) continue a transformers cache (dflash.target_cache builds them)."""
+        captured: dict[int, torch.Tensor] = {}
+
+        def keep(layer_id):
+            def hook(_module, _inputs, output):
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
+        try:
+            out = self._decoder(input_ids=input_ids, attention_mask=attention_mask,
+                                **(cache_kwargs or {"use_cache": False}))
+        finally:
+            for handle in handles:
+                handle.remove()
+        context = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        return out.last_hidden_state, context
+
+    @torch.no_grad()
+    def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B,T] ids (+ [B,T] attention mask) -> [B,T,len(layer_ids)*H]: tapped layers' outputs, concatenated."""
+        return self._run(input_ids, attention_mask)[1]
+
+    @torch.no_grad()
+    def forward_cached(self, input_ids: torch.Tensor, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B,T] ids continuing a cache -> ([B,T,H] last hidden after the final norm, [B,T,k*H] context);
+        cache_kwargs come from dflash.target_cache.TargetCache, which owns the cache and its rollback."""
+        return self._run(input_ids, **cache_kwargs)
+
+    @torch.no_grad()
+    def greedy_next(self, input_ids: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B,T] ids -> ([B,T] argmax next token at every position, [B,T,k*H] context), one pass.
+
+        The head runs over `chunk` positions at a time: a 248K-wide vocabulary times T positions in
+        float32 would otherwise be the largest tensor of the whole evaluation.
+        """
+        last, context = self._run(input_ids)
+        argmax = torch.cat([self._head(part).argmax(-1) for part in last.split(chunk, dim=1)], dim=1)
+        return argmax, context

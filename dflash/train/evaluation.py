@@ -1,0 +1,148 @@
+"""Evaluation during training: the evaluation split, its loss and per-position acceptance, and tau.
+
+The split: --eval-data FILE (tokenised like --data), or --eval-fraction of the training sequences
+(`split_items`: a seeded draw, the same on every rank and every rerun; resume checks the training part's
+fingerprint as before).
+
+What an evaluation reports (dflash.step.summarize over the whole split, summed over ranks):
+    loss, acc, acc_per_pos     weighted CE and top-1 accuracy per block position k = 1..bs-1
+    accept_per_pos             a_k = P(position k correct | positions 1..k-1 correct): of the blocks whose
+                               first k-1 guesses match the labels, the share whose k-th matches too
+    tau_est                    1 + sum_{k=1}^{bs-1} prod_{j<=k} a_j
+The estimate: greedy verification accepts position k exactly when positions 1..k are all right, so a
+verify step yields 1 (the bonus token) + the number of leading correct positions, and
+E[1 + sum_k 1{1..k correct}] = 1 + sum_k P(1..k correct) = 1 + sum_k prod_{j<=k} a_j. Each block is a
+verify step with the anchor at a supervised position and the labels as the target's continuation, so
+the estimate is tau when the labels are the target's own greedy answers (regenerated data, dflash
+regenerate) and decoding meets anchors where the data has them. Using the marginal accuracies in place
+of a_k (independent errors) would underestimate it: a drafter that is right at k is usually right at k-1.
+The catch is where the anchors fall. Decoding anchors each step right after the last one's accepted
+tokens, so it visits the hard stretches of an answer (short steps) more often than uniform anchors do,
+and tau_est over-estimates tau (on the demo drafter: 3.45 against a measured 2.47 on the same prompts).
+
+With --eval-tau-prompts N, on the first N evaluation sequences (rank 0 only; the other ranks wait at
+their next collective):
+    tau            measured by speculative decoding (dflash.evaluate) from each sequence's prompt
+    tau_replay     greedy verification replayed on the data: a block at every answer position gives
+                   L(p) = 1 + leading correct positions; from the answer's first token, p -> p + L(p)
+                   for --eval-new-tokens tokens; tau_replay = tokens / steps. With the target's own
+                   greedy answers as data it is the same decoding as the measured one, without a
+                   target pass per step (demo: 2.467 and 2.467).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import torch
+
+from dflash import distributed
+from dflash.train.blocks import sample_anchors
+from dflash.config import TrainConfig
+from dflash.data.batches import collate, make_batches
+from dflash.errors import ConfigError
+from dflash.train.step import micro_batch_sums, summarize
+
+log = logging.getLogger("dflash.train")
+
+EVAL_ANCHOR_SEED = 2**31 - 1  # the evaluation's anchors are the same at every evaluation
+
+
+def split_items(items: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training items, evaluation items): round(fraction x n) items (at least 1) drawn by `seed`,
+    the rest kept in their order. fraction 0 gives every item to training."""
+    if not fraction:
+        return items, []
+    n_eval = max(1, round(fraction * len(items)))
+    if n_eval >= len(items):
+        raise ConfigError(f"--eval-fraction {fraction} of {len(items)} sequences leaves none to train on; "
+                          "lower it or give --eval-data.")
+    held = set(random.Random(seed).sample(range(len(items)), n_eval))
+    return ([it for i, it in enumerate(items) if i not in held], [it for i, it in enumerate(items) if i in held])
+
+
+def eval_split(config: TrainConfig, target, items: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The run's (training items, evaluation items) as --eval-data / --eval-fraction say."""
+    if hasattr(items, "eval"):  # dflash.token_cache made (and cached) the split while tokenising --data
+        return items, list(items.eval or [])
+    if config.eval_data:
+        from dflash.data.batches import load_items
+
+        eval_items = load_items(config.__class__(**{**config.to_dict(), "data": config.eval_data}), target)
+        return items, eval_items
+    return split_items(items, config.eval_fraction, config.seed)
+
+
+def prompt_of(item: dict) -> list[int]:
+    """The tokens before the first supervised (answer) token: the prompt the target answered."""
+    supervised = torch.nonzero(item["loss_mask"]).flatten()
+    end = int(supervised[0]) if supervised.numel() else len(item["input_ids"])
+    return item["input_ids"][:end].tolist()
+
+
+@torch.no_grad()
+def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist,
+                   pad_id: int, autocast_dtype: torch.dtype) -> dict:
+    """Loss, accuracy, per-position acceptance and tau_est of the bare `drafter` on `items` (every rank
+    takes its share of each batch; the sums are added over ranks)."""
+    was_training = drafter.training
+    drafter.eval()
+    totals = None
+    lengths = [len(it["input_ids"]) for it in items]
+    for batch_ids in make_batches(lengths, config.max_tokens, config.batch_size, config.seed, epoch=0):
+        mine = distributed.shard(batch_ids, d)
+        if not mine:
+            continue
+        anchors = [sample_anchors(items[i]["loss_mask"], config.max_anchors,
+                                  torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i)) for i in mine]
+        batch = {k: v.to(d.device) for k, v in collate([items[i] for i in mine], pad_id).items()}
+        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=config.block_size,
+                                gamma=config.gamma, autocast_dtype=autocast_dtype).pack()
+        totals = sums if totals is None else totals + sums
+    if totals is None:  # this rank had no share: zeros keep the all-reduce in step
+        totals = torch.zeros(4 + 4 * (config.block_size - 1), device=d.device)
+    metrics = summarize(distributed.all_reduce_sum(d, totals), config.block_size)
+    metrics["sequences"] = len(items)
+    drafter.train(was_training)
+    return metrics
+
+
+@torch.no_grad()
+def replayed_tau(config: TrainConfig, drafter, target, items: list[dict], pad_id: int,
+                 autocast_dtype: torch.dtype) -> float:
+    """tau_replay (module docstring) over the first answer of each item."""
+    steps = tokens = 0
+    was_training = drafter.training
+    drafter.eval()
+    for item in items:
+        mask = item["loss_mask"].bool()
+        anchors = torch.nonzero(mask[:-1] & mask[1:]).flatten()
+        if not anchors.numel():
+            continue
+        batch = {k: v.to(target.device) for k, v in collate([item], pad_id).items()}
+        correct = micro_batch_sums(drafter, target, batch, [anchors], block_size=config.block_size,
+                                   gamma=config.gamma, autocast_dtype=autocast_dtype, keep_correct=True).block_correct
+        accepted = dict(zip(anchors.tolist(), (1 + correct[0].long().cumprod(-1).sum(-1)).tolist()))
+        p, n = int(torch.nonzero(mask).flatten()[0]), 0
+        while p in accepted and n < config.eval_new_tokens:
+            n, steps, p = n + accepted[p], steps + 1, p + accepted[p]
+        tokens += n
+    drafter.train(was_training)
+    return round(tokens / steps, 4) if steps else 0.0
+
+
+def measured_tau(config: TrainConfig, drafter, target, items: list[dict], pad_id: int,
+                 autocast_dtype: torch.dtype) -> dict:
+    """tau by speculative decoding (greedy verification) on the first --eval-tau-prompts prompts."""
+    from dflash.decode.evaluate import evaluate
+
+    prompts = [p for p in (prompt_of(it) for it in items[: config.eval_tau_prompts]) if p]
+    was_training = drafter.training
+    # the fp32 master weights meet a bf16 target as in training: under autocast
+    with torch.autocast(target.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
+        result = evaluate(target, drafter.eval(), prompts, config.eval_new_tokens, check_lossless=False)
+    drafter.train(was_training)
+    return {"tau": round(result["tau"], 4), "tau_prompts": len(prompts), "tau_tokens": result["n_tokens"],
+            "tau_replay": replayed_tau(config, drafter, target, items[: config.eval_tau_prompts], pad_id,
+                                       autocast_dtype)}

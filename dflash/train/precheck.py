@@ -1,0 +1,53 @@
+"""Checks that cost seconds, run before the target's weights load (minutes on a large target).
+
+From the file system, the target's config.json and its tokenizer alone: the --data / --eval-data files
+exist, --target-layer-ids are layers of the target, the mask token resolves. Each failure is the same
+error, with the same message, that the full load would give later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash.errors import DataError
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+
+
+def check_data_paths(config) -> None:
+    """A --data or --eval-data that is plainly a local file path must exist (names resolved by the data
+    loader, such as saved datasets, are left to it)."""
+    for flag, value in (("--data", config.data), ("--eval-data", getattr(config, "eval_data", None))):
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        looks_local = path.suffix.lower() in FILE_SUFFIXES or str(value).startswith(("/", "./", "../", "~"))
+        if looks_local and not path.exists():
+            raise DataError(f"{flag} {value}: no such file or directory; pass a JSONL/JSON/Parquet file, a "
+                            "directory of them, or a saved dataset")
+
+
+def check_target_cheaply(config) -> None:
+    """--target-layer-ids and the mask token against the target's config.json and tokenizer; skipped
+    when --target is not a local model directory (the loader says why) or --init-drafter decides both."""
+    if not config.target or getattr(config, "init_drafter", None):
+        return
+    path = Path(config.target)
+    if not (path / "config.json").is_file():
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash.model.target import _resolve_mask_token, check_layer_ids
+
+    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    if config.target_layer_ids is not None:
+        check_layer_ids(config.target_layer_ids, int(text.num_hidden_layers))
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.mask_token)
+
+
+def check_before_loading(config, *, data: bool = True, target: bool = True) -> None:
+    if data:
+        check_data_paths(config)
+    if target:
+        check_target_cheaply(config)

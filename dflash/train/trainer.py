@@ -1,0 +1,395 @@
+"""The DFlash drafter training loop: data order, one optimizer, checkpoints, logging, clean stops.
+
+Single process:        dflash-train --target DIR --data FILE.jsonl --out runs/x
+One process per GPU:   torchrun --nproc-per-node 8 -m dflash.cli train --target DIR --data FILE.jsonl --out runs/x
+Two CPU processes:     torchrun --nproc-per-node 2 -m dflash.cli train ... --device cpu   (gloo)
+
+One optimizer step = grad_accum micro-batches; each micro-batch is dflash.step's forward and backward
+(anchors and blocks: dflash.blocks). Every counter is in OPTIMIZER steps, and the LR schedule
+(dflash.schedule) uses the same counter. A micro-batch is global: its sequences are split across ranks,
+and the loss is normalised by the loss weight summed over all ranks, so N processes compute the same
+gradient as one process would on the whole micro-batch. The step's statistics stay on the device and
+are read back once per optimizer step, for its metrics record (metrics.jsonl, the log, on_step).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dflash.train import checkpoint as ckpt
+from dflash import distributed
+from dflash.train.blocks import anchor_seed, sample_anchors
+from dflash.config import TrainConfig
+from dflash.data.batches import DataOrder, data_fingerprint, item_lengths, load_items
+from dflash.train.heartbeat import Heartbeat
+from dflash.errors import CheckpointError, ConfigError, DflashError, TrainError
+from dflash.train.losses import LOSS_CHUNK_ROWS
+from dflash.train.precheck import check_before_loading
+from dflash.train.schedule import lr_lambda
+from dflash.train.signals import StopFlag
+from dflash.train.evaluation import eval_split
+from dflash.train.step import StepSums, backward, micro_batch_sums, summarize
+
+log = logging.getLogger("dflash.train")
+
+
+@dataclass
+class TrainResult:
+    drafter: torch.nn.Module          # the bare drafter (not the DDP wrapper)
+    step: int                         # optimizer steps done
+    history: list[dict] = field(default_factory=list)  # one record per optimizer step (rank 0 view)
+    checkpoint: Path | None = None
+    stopped_by: str | None = None     # "SIGTERM", "SIGINT", "request" or None (ran to the end)
+    exit_code: int = 0
+
+
+FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels refuse narrower heads
+
+
+def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | None = None) -> str:
+    """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere
+    and for heads narrower than flex's kernels take."""
+    if config.attention == "flex" and device.type != "cuda":
+        raise ConfigError(f"--attention flex needs a GPU: flex_attention has no backward on {device.type}; "
+                          "use --attention sdpa (or auto, which picks sdpa there).")
+    if config.attention == "flex" and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ConfigError(f"--attention flex needs head_dim >= {FLEX_MIN_HEAD_DIM} (flex_attention's kernels), but "
+                          f"the drafter's heads are {head_dim} wide; use --attention sdpa (or auto).")
+    if config.attention != "auto":
+        return config.attention
+    wide_enough = head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM
+    return "flex" if device.type == "cuda" and wide_enough else "sdpa"
+
+
+def compile_layers(config: TrainConfig, device: torch.device) -> bool:
+    """--compile resolved for `device`: 'auto' compiles the drafter's layers on a GPU only (on a CPU the
+    compile costs more than it saves on the small models trained there)."""
+    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+
+
+def auto_precision(device: torch.device) -> torch.dtype:
+    """--precision auto on `device`: bf16 on a GPU, float32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def precision(config: TrainConfig, device: torch.device) -> torch.dtype:
+    """--precision resolved for `device`: the autocast dtype of the drafter and the dtype of the target."""
+    if config.precision == "auto":
+        return auto_precision(device)
+    return torch.bfloat16 if config.precision == "bf16" else torch.float32
+
+
+def _oom_message(config: TrainConfig, shape: tuple[int, int], n_anchors: int, vocab: int) -> str:
+    B, T = shape
+    return (
+        f"out of memory on a micro-batch of {B} x {T} tokens with {n_anchors} anchors x block "
+        f"{config.block_size} ({n_anchors * config.block_size} drafter positions; logits over {vocab} tokens "
+        f"are taken {LOSS_CHUNK_ROWS} rows at a time). "
+        f"Lower --max-anchors (now {config.max_anchors}), --max-tokens (now {config.max_tokens}), "
+        f"--batch-size (now {config.batch_size}) or --max-length (now {config.max_length}); "
+        "raise --grad-accum to keep the same tokens per optimizer step."
+    )
+
+
+class Trainer:
+    """Holds the run's pieces; `run()` trains and returns a TrainResult. Build it with `train()`."""
+
+    def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
+                 stop: StopFlag, on_step: Callable[[int, dict], None] | None = None,
+                 eval_items: list[dict] | None = None):
+        from dflash.train.monitor import RunMonitor
+
+        from dflash.io.drafter import load_drafter
+        from dflash.model.drafter import Drafter
+
+        self.config, self.target, self.items, self.d, self.stop = config, target, items, d, stop
+        self.on_step = on_step
+        self.root = config.out_dir / "checkpoints"
+        self.pad_id = _pad_id(target)
+        self.autocast_dtype = precision(config, d.device)
+        self.drafter_config = drafter_config(config, target)
+        torch.manual_seed(config.seed)  # the same initial drafter on every rank and on every rerun
+        attention = attention_impl(config, d.device, self.drafter_config.head_dim)
+        self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
+        if config.init_drafter:  # float32 master weights, whatever the file holds
+            self.drafter.load_state_dict(load_drafter(config.init_drafter, dtype=torch.float32).state_dict())
+        if compile_layers(config, d.device):
+            self.drafter.compile_layers()
+        self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
+            if d.enabled else self.drafter
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr,
+                                           weight_decay=config.weight_decay,
+                                           fused=d.device.type == "cuda")
+        self.fingerprint = data_fingerprint(items)
+        self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
+        self.order = self._data_order()
+        self.total_steps = config.max_steps or config.epochs * math.ceil(self.order.batches_per_epoch
+                                                                         / config.grad_accum)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(self.total_steps, config.warmup_ratio))
+        self.step = 0
+        self.heartbeat = Heartbeat(every=config.heartbeat_every) if d.is_main else None
+        self.monitor = RunMonitor(self, eval_items or [])  # metrics.jsonl, log, trackers, evaluation
+
+    def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder:
+        cfg = self.config
+        return DataOrder(self.lengths, cfg.max_tokens, cfg.batch_size, cfg.seed, epoch=epoch, index=index)
+
+    # --- resume ------------------------------------------------------------------------------------
+    def restore(self) -> Path | None:
+        """Load the latest checkpoint of --out (when --resume); refuse one that does not fit."""
+        last = ckpt.latest_checkpoint(self.root)
+        if last is None:
+            raise CheckpointError(
+                f"--resume: no checkpoint in {self.root}. Drop --resume to start a new run there.")
+        ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
+        from safetensors.torch import load_file
+
+        self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
+        state = ckpt.load_state(last, map_location=self.d.device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        ckpt.restore_rng(_cpu_rng(state["rng"]))
+        self.step = int(state["step"])
+        self.order = self._data_order(epoch=int(state["epoch"]), index=int(state["batch_index"]))
+        log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", last, self.step,
+                 self.order.epoch, self.order.index)
+        return last
+
+    def save(self) -> Path | None:
+        path = None
+        if self.d.is_main:
+            path = ckpt.save_checkpoint(
+                self.root, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
+                scheduler=self.scheduler, config=self.config, keep=self.config.keep_checkpoints,
+                train_state={**self.order.state(), "data_fingerprint": self.fingerprint,
+                             "world_size": self.d.world_size},
+            )
+            log.info("checkpoint %s", path)
+        distributed.barrier(self.d)
+        return path
+
+    # --- one micro-batch ---------------------------------------------------------------------------
+    def _collate_shard(self, epoch: int, indices: list[int]) -> tuple[dict, list[torch.Tensor]]:
+        """This rank's share of a global micro-batch, collated, with each sequence's anchors."""
+        from dflash.data.batches import collate
+
+        mine = distributed.shard(indices, self.d)
+        stand_in = not mine
+        if stand_in:  # fewer sequences than ranks: a zero-weight copy keeps this rank in the backward
+            mine = indices[:1]
+        items = [self.items[i] for i in mine]
+        if stand_in:
+            items = [{**items[0], "loss_mask": torch.zeros_like(items[0]["loss_mask"])}]
+        anchors = []
+        for i, item in zip(mine, items):
+            g = torch.Generator().manual_seed(anchor_seed(self.config.seed, epoch, i))
+            anchors.append(sample_anchors(item["loss_mask"], self.config.max_anchors, g))
+        self.monitor.count(items, anchors)
+        batch = collate(items, self.pad_id)
+        return {k: v.to(self.d.device) for k, v in batch.items()}, anchors
+
+    def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool) -> StepSums:
+        """Forward + backward of one micro-batch (gradients accumulate); returns its sums, detached."""
+        cfg = self.config
+        # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
+        with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
+            sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=cfg.block_size,
+                                    gamma=cfg.gamma, autocast_dtype=self.autocast_dtype)
+            backward(sums, self.d, cfg.grad_accum)
+        return sums.detached()
+
+    def _optimizer_step(self) -> dict:
+        """grad_accum micro-batches, clip, AdamW step, LR step; returns the step's metrics (all ranks)."""
+        cfg = self.config
+        totals = None  # StepSums.pack() added up, on the device
+        for k in range(cfg.grad_accum):
+            epoch, indices = self.order.next()
+            batch, anchors = self._collate_shard(epoch, indices)
+            try:
+                sums = self._micro_step(batch, anchors, sync=k == cfg.grad_accum - 1)
+            except torch.OutOfMemoryError as exc:
+                n = sum(int(a.numel()) for a in anchors)
+                raise TrainError(_oom_message(cfg, tuple(batch["input_ids"].shape), n,
+                                              self.target.vocab_size)) from exc
+            totals = sums.pack() if totals is None else totals + sums.pack()
+            if self.heartbeat:
+                self.heartbeat.beat(self.step)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip) \
+            if cfg.grad_clip > 0 else torch.tensor(float("nan"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        totals = distributed.all_reduce_sum(self.d, totals)
+        # the one read-back of the step: the summed statistics and the (already global) grad norm
+        return {"step": self.step, "lr": lr, **summarize(totals, cfg.block_size, grad_norm)}
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        # log lines go through tqdm.write so that they do not tear the progress bar
+        with logging_redirect_tqdm(loggers=[logging.getLogger("dflash")]):
+            return self._run()
+
+    def _run(self) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        cfg, d = self.config, self.d
+        result = TrainResult(drafter=self.drafter, step=self.step)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (cfg.progress and d.is_main), dynamic_ncols=True)
+        self.drafter.train()
+        if self.heartbeat:
+            self.heartbeat.beat(self.step, force=True)
+        while self.step < self.total_steps:
+            m = self._optimizer_step()
+            self.monitor.step(m)
+            result.history.append(m)
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
+            if self.on_step and self.on_step(self.step, m):
+                self.stop.request("request")
+            if distributed.any_rank(d, bool(self.stop)):
+                result.stopped_by = self.stop.reason or "another rank"
+                break
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                result.checkpoint = self.save()
+        bar.close()
+        result.checkpoint = self.save()
+        if self.heartbeat:
+            self.heartbeat.finish(self.step)
+        result.step = self.step
+        result.exit_code = self.stop.exit_code if result.stopped_by else 0
+        if result.stopped_by:
+            log.warning("stopped by %s at step %d; continue with --resume", result.stopped_by, self.step)
+        elif d.is_main:
+            dtype = torch.bfloat16 if cfg.drafter_dtype == "bf16" else torch.float32
+            ckpt.export_drafter(result.checkpoint, cfg.out_dir / "drafter", dtype)
+            log.info("drafter written to %s", cfg.out_dir / "drafter")
+        self.monitor.close(stopped=bool(result.stopped_by))
+        return result
+
+
+def _pad_id(target) -> int:
+    tok = target.tokenizer
+    for value in (tok.pad_token_id, tok.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _cpu_rng(state: dict) -> dict:
+    """RNG states must be CPU ByteTensors for torch.set_rng_state, whatever map_location did."""
+    out = dict(state)
+    out["torch"] = state["torch"].cpu()
+    if "cuda" in state:
+        out["cuda"] = [s.cpu() for s in state["cuda"]]
+    return out
+
+
+def setup_logging(out_dir: Path, is_main: bool) -> None:
+    """Log to stderr and to <out>/train.log (rank 0 only; other ranks only warn)."""
+    logger = logging.getLogger("dflash")
+    logger.setLevel(logging.INFO if is_main else logging.WARNING)
+    for h in list(logger.handlers):
+        if getattr(h, "_dflash", False):
+            logger.removeHandler(h)
+            h.close()
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    handlers = [logging.StreamHandler()]
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(out_dir / "train.log"))
+    for h in handlers:
+        h.setFormatter(fmt)
+        h._dflash = True
+        logger.addHandler(h)
+    logger.propagate = False
+
+
+def drafter_config(config: TrainConfig, target):
+    """The drafter this run trains: --init-drafter's (checked against the target), or a new one shaped
+    like the target's attention with --drafter-layers and --sliding-window."""
+    from dflash.io.drafter import check_fits_target, read_drafter_config
+    from dflash.model.drafter import FULL, SLIDING, DrafterConfig
+
+    if not config.init_drafter:
+        n, window = config.drafter_layers, config.sliding_window
+        return DrafterConfig.from_target(target, num_hidden_layers=n, block_size=config.block_size,
+                                         layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
+                                         sliding_window=window or None)
+    where = f"--init-drafter {config.init_drafter}"
+    init = read_drafter_config(config.init_drafter)
+    check_fits_target(init, target, where)
+    if init.block_size != config.block_size:
+        raise ConfigError(f"{where} was trained with block size {init.block_size}, --block-size is "
+                          f"{config.block_size}; pass --block-size {init.block_size}.")
+    if (init.target_layer_ids, init.mask_token_id) != (list(target.layer_ids), target.mask_token_id):
+        raise ConfigError(f"{where} taps target layers {init.target_layer_ids} with mask token {init.mask_token_id}, "
+                          f"the target was loaded with {target.layer_ids} and {target.mask_token_id}; load it "
+                          "with load_target(config, ...), which takes both from the drafter.")
+    return replace(init, target_fingerprint=target.fingerprint)
+
+
+def load_target(config: TrainConfig, device: torch.device, path=None):
+    """The frozen target of --target (or `path`): in bf16 when training uses bf16 autocast (its forward
+    is most of the cost on a GPU), else in fp32. With --init-drafter, tapped at that drafter's layers
+    with its mask token, once its config.json is checked against the target's."""
+    from dflash.model.target import Target
+
+    path = path or config.target
+    layer_ids, mask_token = config.target_layer_ids, config.mask_token
+    if config.init_drafter:
+        from dflash.io.drafter import check_fits_target, read_drafter_config, target_shape
+
+        init = read_drafter_config(config.init_drafter)
+        check_fits_target(init, target_shape(path), f"--init-drafter {config.init_drafter}")
+        layer_ids, mask_token = init.target_layer_ids, init.mask_token_id
+    return Target.load(path, device=device, dtype=precision(config, device),
+                       layer_ids=layer_ids, mask_token=mask_token)
+
+
+def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
+          on_step: Callable[[int, dict], None] | None = None, handle_signals: bool = True) -> TrainResult:
+    """Train a drafter as `config` says; returns when done, stopped by a signal, or on an error.
+
+    `target` and `items` (dicts with input_ids/loss_mask LongTensor[T]) skip loading them from
+    config.target / config.data. `on_step(step, metrics)` runs after every optimizer step; when it
+    returns True the run stops as if it got SIGTERM (checkpoint, then return).
+    """
+    d = distributed.init(config.device, cpu_threads=config.cpu_threads)
+    setup_logging(config.out_dir, d.is_main)
+    stop = StopFlag().install() if handle_signals else StopFlag()
+    try:
+        attention_impl(config, d.device)  # a bad --attention fails before the target loads
+        check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
+        if target is None:
+            target = load_target(config, d.device)
+        if items is None:
+            items = load_items(config, target)
+        items, eval_items = eval_split(config, target, items)
+        if d.is_main:
+            config.to_json(config.out_dir / "config.json")
+        trainer = Trainer(config, target, items, d, stop, on_step, eval_items)
+        if config.resume:
+            trainer.restore()
+        log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",
+                 trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
+                 trainer.drafter.attention)
+        return trainer.run()
+    except DflashError as exc:  # also in train.log, where a run's story is read afterwards
+        log.error("stopped: %s", exc)
+        raise
+    finally:
+        stop.uninstall()
