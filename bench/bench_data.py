@@ -27,7 +27,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
 WORDS = ("the a fox river count number list answer because first then after sum prime city weather "
          "table function value result step check small large north south read write").split()
@@ -83,7 +82,7 @@ def save_target(out: Path, tok) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_tiny import qwen3_config
+    from tests.support.dflash_tiny import qwen3_config
 
     config = qwen3_config(num_layers=6)
     config.vocab_size, config.pad_token_id, config.eos_token_id = len(tok), tok.pad_token_id, tok.eos_token_id

@@ -23,13 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-import loopback_registry  # noqa: E402
+from tests.support import loopback_registry  # noqa: E402
 from images import publish, push_docker  # noqa: E402
-from pct_double import sshd  # noqa: E402
-from pct_double.demo_image import labelled_demo_image  # noqa: E402
-from test_push_docker import start_engine  # noqa: E402
+from tests.support.pct_double import sshd  # noqa: E402
+from tests.support.pct_double.demo_image import labelled_demo_image  # noqa: E402
+from tests.images.test_push_docker import start_engine  # noqa: E402
 
 
 def far_rmi(docker_host: str, image: str) -> None:

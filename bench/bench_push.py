@@ -21,12 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from images import export, transfer  # noqa: E402
 from common.fsutil import sha256_file  # noqa: E402
-from pct_double import sshd  # noqa: E402
-from pct_double.demo_image import demo_image  # noqa: E402
+from tests.support.pct_double import sshd  # noqa: E402
+from tests.support.pct_double.demo_image import demo_image  # noqa: E402
 
 
 def upload(server, payload: Path, dest: Path, compress: bool) -> tuple[float, float]:

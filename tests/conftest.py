@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[1]
 
 # A test run started in the background of a non-interactive shell (nohup, `cmd &`, some CI runners)
 # inherits SIGINT as ignored, and so would every command the tests start, so the tests that send

@@ -1,0 +1,60 @@
+"""The benchmarks that prepare runs this machine cannot make stay runnable: each runs here at toy size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # three torchrun launches with torch + transformers: ~60 s on 2 cores
+def test_scaling_benchmark_on_two_gloo_processes(tmp_path):
+    """bench_scaling.py (the multi-GPU run's script) on CPU processes: it reports throughput for 1 and 2
+    processes and the 2-process losses equal one process's on the same global batch."""
+    out = tmp_path / "scaling.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_scaling.py"), "--nprocs", "1,2", "--device", "cpu",
+                          "--json", str(out), "--steps", "2", "--warmup", "1", "--hidden", "64", "--layers", "2",
+                          "--vocab", "512", "--seq-len", "64", "--anchors", "8", "--drafter-layers", "1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["nprocs"] for r in result["runs"]] == [1, 2]
+    assert all(r["tokens_per_s"] > 0 for r in result["runs"])
+    assert result["loss_check"]["max_rel_loss_diff"] < 1e-5
+    assert "efficiency" in run.stdout and "loss check: 2 processes vs one" in run.stdout
+
+
+@pytest.mark.slow  # a tokenizer, a tiny target and two one-step training runs: ~30 s on 2 cores
+def test_data_benchmark_at_toy_size(tmp_path):
+    """bench_data.py on 300 conversations: rates for 1 and 2 processes, and the second start reads the cache
+    (its time to first step below the cold one)."""
+    out = tmp_path / "data.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_data.py"), "--conversations", "300",
+                          "--procs", "1,2", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["procs"] for r in result["tokenise"]] == [1, 2]
+    assert all(r["kept"] == 300 and r["conversations_per_s"] > 0 for r in result["tokenise"])
+    assert result["first_step_s"]["second_start"] < result["first_step_s"]["cold_cache"]
+
+
+def test_drafter_step_benchmark_at_toy_size(tmp_path):
+    """bench_drafter.py (the H200 run's script for the drafter step) on the CPU: both head variants time,
+    and --numerics puts their fp32 gradients on the reference's (cosine 1 to rounding)."""
+    out = tmp_path / "drafter.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_drafter.py"), "--shape", "tiny", "--device", "cpu",
+                          "--variants", "before,fused-head", "--reps", "1", "--warmup", "1", "--numerics",
+                          "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [v["variant"] for v in result["variants"]] == ["before", "fused-head"]
+    assert all(v["step_s"] > 0 for v in result["variants"])
+    for name in ("before", "fused-head"):
+        assert result["numerics"][name]["all"]["cosine"] > 1 - 1e-9
+    assert result["numerics"]["reference_vs_float64_small_shape"]["rel_l2"] < 1e-4
+    assert "fused-head: " in run.stdout and "x the step of 'before'" in run.stdout

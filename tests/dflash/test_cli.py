@@ -1,0 +1,162 @@
+"""The command line: generated --help, option precedence, clear errors with exit codes, and the
+eval / regenerate / doctor / healthcheck commands on a real tiny target."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash.cli import main, train_main, train_parser
+from dflash.config import DEMO_DEFAULTS, TrainConfig, from_args
+from dflash.errors import ConfigError
+from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return save_chat_target(root / "target"), write_chat_jsonl(root / "chat.jsonl", n=12)
+
+
+def _parse(argv: list[str]) -> TrainConfig:
+    return from_args(train_parser().parse_args(argv))
+
+
+def test_help_lists_every_option_with_its_default():
+    run = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())  # argparse wraps lines
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        shown = ",".join(map(str, f.default)) if isinstance(f.default, list) else f.default
+        said = "(default:" in f.metadata["help"]  # a help that says its default in words shows only that
+        assert (f.metadata["help"] if said else f"{f.metadata['help']} (default: {shown})") in text, flag
+        assert text.count(f"{f.metadata['help']} (default:") == int(not said), flag
+
+
+def test_demo_defaults_apply_only_without_target_and_data(tmp_path):
+    demo = _parse([])
+    assert demo.is_demo and demo.block_size == DEMO_DEFAULTS["block_size"]
+    assert _parse(["--block-size", "4"]).block_size == 4  # a given flag beats the demo's choice
+    real = _parse(["--target", "t", "--data", "d.jsonl"])
+    assert not real.is_demo and real.block_size == TrainConfig.block_size
+
+
+def test_resume_reads_the_stored_config_and_flags_override_it(tmp_path):
+    TrainConfig(target="t", data="d.jsonl", out=str(tmp_path), block_size=8, lr=1e-3).to_json(tmp_path / "config.json")
+    cfg = _parse(["--out", str(tmp_path), "--resume", "--max-steps", "50"])
+    assert (cfg.target, cfg.block_size, cfg.lr, cfg.max_steps, cfg.resume) == ("t", 8, 1e-3, 50, True)
+
+
+def test_list_flag_and_unknown_config_keys():
+    assert _parse(["--target", "t", "--data", "d", "--target-layer-ids", "1, 3,5"]).target_layer_ids == [1, 3, 5]
+    with pytest.raises(ConfigError, match="unknown option 'block_sise'.*Did you mean 'block_size'"):
+        TrainConfig.from_dict({"block_sise": 8})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "t"], "--target and --data go together; add --data"),
+    (["--block-size", "1"], "--block-size is 1"),
+    (["--lr", "0"], "--lr is 0.0; it must be positive"),
+    (["--max-length", "2048", "--max-tokens", "1024"], "--max-tokens 1024 is below --max-length 2048"),
+    (["--precision", "fp8"], None),  # argparse rejects the choice itself
+])
+def test_bad_options_exit_2_with_a_message(argv, message, capsys):
+    if message is None:
+        with pytest.raises(SystemExit) as exc:
+            train_main(argv)
+        assert exc.value.code == 2
+        assert "invalid choice: 'fp8'" in capsys.readouterr().err
+        return
+    assert train_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dflash_without_a_command_prints_usage(capsys):
+    assert main([]) == 2
+    assert "regenerate" in capsys.readouterr().out
+    assert main(["bogus"]) == 2
+    assert "unknown command 'bogus'" in capsys.readouterr().err
+
+
+def test_subcommands_reach_the_health_check_even_through_dflash_train(tmp_path, capsys):
+    """`docker run dflash-train healthcheck` runs `dflash-train healthcheck`: it must reach
+    dflash.doctor.healthcheck.main, which reports a missing doctor verdict as unhealthy (exit 1)."""
+    args = ["--report", str(tmp_path / "none.json"), "--heartbeat", str(tmp_path / "hb")]
+    assert train_main(["healthcheck", *args]) == 1
+    assert "doctor has not finished" in capsys.readouterr().out
+    (tmp_path / "none.json").write_text(json.dumps({"schema": 0}))
+    assert main(["healthcheck", *args]) == 1
+
+
+def test_regenerate_writes_the_targets_answers(tiny, tmp_path):
+    target, data = tiny
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(data.read_text().splitlines(keepends=True)[:3]) + "not json\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["regenerate", "--target", str(target), "--data", str(src), "--out", str(out),
+                 "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    originals = [json.loads(line)["messages"] for line in src.read_text().splitlines()[:3]]
+    assert len(rows) == 3  # the bad line was skipped and counted
+    for new, old in zip(rows, originals):
+        assert [m["role"] for m in new] == [m["role"] for m in old]
+        assert [m["content"] for m in new if m["role"] == "user"] == [m["content"] for m in old if m["role"] == "user"]
+
+
+def test_eval_reports_tau_and_losslessness(tiny, tmp_path, capsys):
+    target, data = tiny
+    out = tmp_path / "run"
+    assert train_main(train_args(target, data, out, max_steps=1)) == 0
+    capsys.readouterr()
+    argv = ["--target", str(target), "--drafter", str(out / "drafter"), "--data", str(data), "--limit", "2",
+            "--max-new-tokens", "6", "--device", "cpu", "--json"]
+    assert main(["eval", *argv]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert set(results) == {"drafter", "untrained drafter", "repeat last token"}
+    for r in results.values():
+        assert r["lossless"] is True and r["n_prompts"] == 2 and r["tau"] >= 1.0
+
+
+def test_eval_refuses_a_drafter_of_another_target(tiny, tmp_path, capsys):
+    target, data = tiny
+    out = tmp_path / "run"
+    assert train_main(train_args(target, data, out, max_steps=1)) == 0
+    other = save_chat_target(tmp_path / "other", num_layers=8)
+    assert main(["eval", "--target", str(other), "--drafter", str(out / "drafter"), "--data", str(data),
+                 "--device", "cpu"]) == 7
+    assert "trained for a different target: num_target_layers 4 != the target's 8 layers" in capsys.readouterr().err
+
+
+def test_sigterm_outside_training_unwinds_and_exits_143(tmp_path, capsys):
+    """eval, export and report get SIGTERM like Ctrl-C: `finally` blocks run, exit code 143."""
+    import os
+    import signal
+    import time
+
+    from dflash.cli import _guard
+
+    cleaned = []
+
+    def body(_argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # never reached in full: the handler raises at once
+            return 0
+        finally:
+            cleaned.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert _guard(body, []) == 143
+    assert cleaned == [True]
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is restored afterwards

@@ -1,0 +1,71 @@
+"""`dflash report`: the plots of a short CPU run on the tiny target are valid PNG images (signature,
+read back by matplotlib and by PIL), report.md names them, and the command line writes them on demand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash.cli import main, train_main
+from dflash.train.run_report import PLOTS, read_records, write_report
+from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    target, data = save_chat_target(root / "target"), write_chat_jsonl(root / "chat.jsonl", n=24)
+    out = root / "run"
+    assert train_main(train_args(target, data, out, max_steps=4, eval_every=2, eval_fraction=0.25)) == 0
+    return out
+
+
+def _check_png(path) -> None:
+    import matplotlib.image
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] >= 400 and image.size[1] >= 300
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and pixels.std() > 0  # not a blank canvas
+
+
+def test_every_run_ends_with_its_report(run_dir):
+    for name in PLOTS:
+        _check_png(run_dir / "report" / f"{name}.png")
+    text = (run_dir / "report" / "report.md").read_text()
+    assert text.startswith(f"# Run report: {run_dir.name}")
+    assert "| last evaluation (step 4) |" in text
+    assert all(f"({name}.png)" in text for name in PLOTS)
+
+
+def test_report_on_demand_rewrites_it(run_dir, capsys):
+    for name in PLOTS:
+        (run_dir / "report" / f"{name}.png").unlink()
+    assert main(["report", str(run_dir)]) == 0
+    assert "report.md" in capsys.readouterr().out
+    for name in PLOTS:
+        _check_png(run_dir / "report" / f"{name}.png")
+
+
+def test_records_take_the_last_of_a_repeated_step(tmp_path):
+    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "split": "train"},
+             {"step": 2, "loss": 2.5, "split": "eval", "tau_est": 1.5},
+             {"step": 2, "loss": 1.5, "split": "train"}]  # resumed from step 1: step 2 again
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 3, "lo')
+    train, evals = read_records(tmp_path)
+    assert [(r["step"], r["loss"]) for r in train] == [(1, 3.0), (2, 1.5)]
+    assert [(r["step"], r["loss"]) for r in evals] == [(2, 2.5)]
+    write_report(tmp_path)  # no config.json, no tokens/s: still a report
+    _check_png(tmp_path / "report" / "loss.png")
+
+
+def test_report_of_a_dir_without_metrics_says_so(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err

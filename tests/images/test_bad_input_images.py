@@ -1,0 +1,172 @@
+"""Bad input and faults for the images program: `python -m images.transfer` (the upload, against a real
+OpenSSH server on loopback where one is installed) and the rootfs template's repack. Each case runs the
+real command line and asserts the exit code (images/errors.py: 10 transfer, 11 host key; 130 Ctrl-C,
+143 SIGTERM), the key words of the message, no traceback, and that the destination holds nothing new
+(only the resumable .NAME.partial after an interrupted upload, by design).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.support.bad_input import assert_clear_failure, snapshot
+from images import imageinfo, template
+from images.transfer import main_send
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.support.pct_double import sshd
+
+    why = sshd.available()
+    if why:
+        pytest.skip(why)
+    s = sshd.start(tmp_path_factory.mktemp("sshd"))
+    yield s
+    s.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def other_key(tmp: Path, server) -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "other")], check=True)
+    kind, key = (tmp / "other.pub").read_text().split()[:2]
+    wrong = tmp / "wrong_known_hosts"
+    wrong.write_text(f"[127.0.0.1]:{server.port} {kind} {key}\n")
+    return wrong
+
+
+@dataclass
+class Case:
+    id: str
+    argv: Callable[[Path, object], list[str]]  # (tmp, server) -> arguments
+    code: int
+    words: tuple[str, ...]
+    needs_server: bool = True
+
+
+def send(file: str = "art.tar", *, known: Callable[[Path, object], Path] | None = None, target: str | None = None,
+         port: Callable[[object], int] | None = None, extra: tuple[str, ...] = ()):
+    def argv(t: Path, s) -> list[str]:
+        return [target or s.target, str(t / file), str(t / "dest"), "--port", str(port(s) if port else s.port),
+                "--identity", str(s.identity), "--known-hosts", str(known(t, s) if known else s.known_hosts), *extra]
+    return argv
+
+
+def empty_known(t: Path, s) -> Path:
+    (t / "empty_known_hosts").write_text("")
+    return t / "empty_known_hosts"
+
+
+CASES = [
+    Case("unknown-host-key", send(known=empty_known), 11, ("is not in", "--accept-new-host-key")),
+    Case("changed-host-key", send(known=other_key), 11, ("does not match", "ssh-keygen -R")),
+    Case("changed-host-key-accept-new", send(known=other_key, extra=("--accept-new-host-key",)), 11, ("does not match",)),
+    Case("connection-refused", send(port=lambda s: free_port()), 10, ("cannot connect", "Is sshd running")),
+    Case("missing-file", send("nope.tar"), 10, ("nope.tar does not exist",)),
+    Case("no-host", send(target="root@"), 10, ("names no host", "USER@HOST")),
+    Case("bad-identity", lambda t, s: send(extra=("--identity", str(t / "no_key")))(t, s), 10, ("no_key",)),
+    Case("remote-dir-under-a-file", lambda t, s: [*send()(t, s)[:2], str(t / "art.tar" / "sub"), *send()(t, s)[3:]],
+         10, ("mkdir",)),
+]
+
+
+@pytest.mark.ssh
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_transfer_bad_input(case: Case, server, tmp_path, capsys):
+    (tmp_path / "art.tar").write_bytes(os.urandom(1 << 16))
+    argv = case.argv(tmp_path, server)
+    before = snapshot(tmp_path)
+    code = main_send(argv)
+    err = capsys.readouterr().err
+    assert_clear_failure(code, case.code, err, case.words)
+    assert snapshot(tmp_path) - before == set()
+
+
+@pytest.mark.ssh
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_mid_upload_exits_with_its_code_and_keeps_only_the_partial(sig, code, server, tmp_path):
+    src = tmp_path / "big.tar"
+    src.write_bytes(os.urandom(16 << 20))
+    dest = tmp_path / "dest"
+    partial = dest / ".big.tar.partial"
+    proc = subprocess.Popen([sys.executable, "-m", "images.transfer", server.target, str(src), str(dest),
+                             "--port", str(server.port), "--identity", str(server.identity),
+                             "--known-hosts", str(server.known_hosts), "--bwlimit", "4"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (partial.exists() and partial.stat().st_size > 1 << 20):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err
+    assert "resumes" in err and "Traceback" not in err
+    assert sorted(p.name for p in dest.iterdir()) == [".big.tar.partial"]  # never the real name
+
+
+def _spool(tmp: Path, names: dict[str, bytes | None]) -> Path:
+    spool = tmp / "export.tar"
+    with tarfile.open(spool, "w") as tar:
+        for name, data in names.items():
+            ti = tarfile.TarInfo(name)
+            if data is None:
+                ti.type = tarfile.DIRTYPE
+                tar.addfile(ti)
+            else:
+                ti.size = len(data)
+                tar.addfile(ti, io.BytesIO(data))
+    return spool
+
+
+def _info():
+    return imageinfo.ImageInfo(ref="demo:1", id="sha256:" + "ab" * 32, tags=["demo:1"], labels={}, workdir="/",
+                               user="", env=["PATH=/usr/bin:/bin"], entrypoint=["/bin/sh"], cmd=[])
+
+
+def test_the_template_carries_no_build_leftovers(tmp_path):
+    """/tmp's contents (torch's inductor cache) and an emptied /wheels/ stay out of the rootfs."""
+    spool = _spool(tmp_path, {"./bin/sh": b"#!", "./tmp": None, "./tmp/torchinductor_root": None,
+                              "./tmp/torchinductor_root/cache.bin": b"x", "./wheels": None, "./opt/keep": None,
+                              "./opt/keep/file": b"y"})
+    dest = tmp_path / "t.tar"
+    template._repack(spool, dest, _info(), 0, ["sh", "-c", f"cat > {dest}"], progress=False)
+    with tarfile.open(dest) as tar:
+        names = set(tar.getnames())
+    assert "./tmp" in names and "./bin/sh" in names and "./opt/keep/file" in names
+    assert not [n for n in names if n.startswith("./tmp/") or n == "./wheels"]
+
+
+def test_a_failed_repack_leaves_no_template(tmp_path, monkeypatch):
+    """A compressor that dies (a full disk) is an ExportError (9) and leaves no half-written file."""
+    from images.errors import ExportError
+
+    spool = _spool(tmp_path, {"./bin/sh": b"#!"})
+    dest = tmp_path / "t.tar.zst"
+    with pytest.raises(ExportError, match="full disk"):
+        template._repack(spool, dest, _info(), 0, ["sh", "-c", f"head -c 10 > {dest}; exit 1"], progress=False)
+    assert not dest.exists()
+    assert ExportError.exit_code == 9

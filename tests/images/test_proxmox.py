@@ -1,0 +1,108 @@
+"""Proxmox facts parsing, plan checks and rendering, against recorded listings of an 8-GPU PVE 9.1 host."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from images import gpu, proxmox
+from images.errors import GpuError, HostError
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "nvidia-8gpu"
+
+
+class RecordedHost:
+    """Answers the commands gather_facts runs from the recorded files (a host, not the code under test)."""
+
+    user = "root"
+
+    def __init__(self, pveversion=None, ctids=(), nvidia=True):
+        self.answers = {
+            "pveversion": pveversion or (DATA / "pveversion.txt").read_text(),
+            "pvesm status": (DATA / "pvesm-status.txt").read_text(),
+            "pct list": "VMID       Status     Lock         Name\n" + "".join(f"{c} running   ct{c}\n" for c in ctids),
+            "ls -l": (DATA / "ls-l-dev-nvidia.txt").read_text() if nvidia else "",
+            "cat /proc/driver": (DATA / "proc-driver-nvidia-version.txt").read_text(),
+            "ldconfig": (DATA / "ldconfig-p-nvidia.txt").read_text(),
+        }
+
+    def run(self, cmd, check=True):
+        out = next(v for k, v in self.answers.items() if cmd.startswith(k))
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+
+def facts(**kw):
+    return proxmox.gather_facts(RecordedHost(**kw), "all")
+
+
+def test_facts_from_a_real_host_shape():
+    f = facts(ctids=(100, 101))
+    assert f.pve == Version("9.1.2") and f.ctids == {100, 101}
+    assert f.storages["local-zfs"].avail_bytes == 6685505202 * 1024 and not f.storages["backup"].active
+    assert len(f.devices) == 14 and f.driver.text == "580.95.05"
+    assert {lib.soname for lib in f.libraries} >= {"libcuda.so.1", "libnvidia-ml.so.1"}
+
+
+def test_create_command_matches_pct_options():
+    plan = proxmox.ContainerPlan(ctid=200, template="dflash-train-0123456789ab.tar.zst", fmt="template",
+                                 rootfs_storage="local-zfs", rootfs_gb=64, data_storage="nvme-data", data_gb=2000)
+    argv = proxmox.render_create(plan)
+    assert proxmox.shell(argv) == (
+        "pct create 200 local:vztmpl/dflash-train-0123456789ab.tar.zst --hostname dflash-train --ostype unmanaged "
+        "--unprivileged 1 --cores 8 --memory 65536 --swap 0 --rootfs local-zfs:64 --features nesting=1 "
+        "--mp0 nvme-data:2000,mp=/data --net0 name=eth0,bridge=vmbr0,ip=dhcp")
+
+
+def test_gpus_on_pve_9_use_pct_set_dev_lines_and_bind_driver_libraries():
+    f = facts()
+    plan = proxmox.ContainerPlan(ctid=200, template="x.tar.zst", fmt="template", rootfs_storage="local-zfs")
+    devices = proxmox.check_plan(plan, f, image_cuda="13.0")
+    (set_cmd,) = proxmox.render_set(plan, f, devices)
+    assert set_cmd[:5] == ["pct", "set", "200", "--dev0", "/dev/nvidia0,mode=0666"]
+    assert "--dev7" in set_cmd and "/dev/nvidia-uvm-tools,mode=0666" in set_cmd
+    raw = proxmox.render_raw_config(f, devices)
+    assert raw and all(line.startswith("lxc.mount.entry: /lib/x86_64-linux-gnu/") for line in raw)
+
+
+def test_gpus_on_pve_8_1_use_raw_cgroup_and_mount_lines():
+    f = facts(pveversion="pve-manager/8.1.4/ec5affc9e41f1d79 (running kernel: 6.5.11-8-pve)")
+    plan = proxmox.ContainerPlan(ctid=200, template="x.tar.zst", fmt="template", rootfs_storage="local-zfs")
+    devices = proxmox.check_plan(plan, f, image_cuda="12.8")
+    assert proxmox.render_set(plan, f, devices) == []
+    raw = proxmox.render_raw_config(f, devices)
+    assert "lxc.cgroup2.devices.allow: c 508:* rwm" in raw
+    assert "lxc.mount.entry: /dev/nvidia7 dev/nvidia7 none bind,optional,create=file" in raw
+
+
+@pytest.mark.parametrize("kw, plan_kw, cuda, message", [
+    ({"ctids": (200,)}, {}, None, "CTID 200 is already in use.*--replace"),
+    ({"pveversion": "pve-manager/8.4.1/2a5fa54a8503f96d (running kernel: 6.8.12-9-pve)"}, {"fmt": "oci"}, None,
+     "OCI archives need PVE >= 9.1.*--format template"),
+    ({}, {"rootfs_storage": "local-lvm"}, None, "storage 'local-lvm' does not exist.*local-zfs"),
+    ({}, {"data_storage": "backup", "data_gb": 10}, None, "'backup' is not active"),
+    ({}, {"data_storage": "nvme-data", "data_gb": 10**6}, None, "has 14307 GB available but 1000000 GB"),
+    ({}, {"data_storage": "local-zfs", "data_gb": 7000}, None, "'local-zfs' has 6846 GB available but 7064 GB"),
+    ({"nvidia": False}, {}, None, "no /dev/nvidia\\* nodes.*--gpus none"),
+    ({}, {"features": "nesting=1,docker=1"}, None, "'docker=1' is not a pct feature"),
+    ({}, {"ctid": 42}, None, "out of range"),
+])
+def test_refusals_name_the_fix(kw, plan_kw, cuda, message):
+    plan = proxmox.ContainerPlan(**{"ctid": 200, "template": "x.tar.zst", "fmt": "template",
+                                    "rootfs_storage": "local-zfs", **plan_kw})
+    with pytest.raises(HostError, match=message):
+        proxmox.check_plan(plan, facts(**kw), cuda)
+
+
+def test_replace_allows_a_used_ctid_and_old_driver_is_refused():
+    plan = proxmox.ContainerPlan(ctid=200, template="x", fmt="template", rootfs_storage="local-zfs", replace=True)
+    proxmox.check_plan(plan, facts(ctids=(200,)), "13.0")
+    old = facts()
+    old.driver = gpu.parse_driver_version("570.133.20")
+    with pytest.raises(GpuError, match="too old for the image's CUDA 13.0"):
+        proxmox.check_plan(plan, old, "13.0")
+
+
+def test_not_a_pve_host():
+    with pytest.raises(HostError, match="does not look like a Proxmox VE host"):
+        proxmox.parse_pveversion("bash: pveversion: command not found")

@@ -1,0 +1,107 @@
+"""push-docker end to end: a second Docker engine (its own data root and socket) behind a real OpenSSH
+server on loopback, so the image really travels: save | zstd -> resumable upload -> docker load -> doctor."""
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from images import push_docker
+from images.errors import ExportError, PushError
+from tests.support.pct_double import sshd
+from tests.support.pct_double.demo_image import labelled_demo_image
+
+pytestmark = [pytest.mark.docker, pytest.mark.ssh]
+
+IMAGE = "dflash-push-docker-demo:cu130-sm120"
+
+
+def start_engine(root: Path) -> tuple[subprocess.Popen, str]:
+    """A second dockerd (no bridge, own containerd) listening on ROOT/docker.sock."""
+    sock = root / "docker.sock"
+    log = open(root / "dockerd.log", "wb")
+    proc = subprocess.Popen(
+        ["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false", f"--data-root={root / 'data'}",
+         f"--exec-root={root / 'exec'}", f"--pidfile={root / 'dockerd.pid'}", f"--host=unix://{sock}",
+         "--containerd-namespace=dflash-test", "--containerd-plugins-namespace=dflash-test-plugins"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if subprocess.run(["docker", "-H", f"unix://{sock}", "version"], capture_output=True).returncode == 0:
+            return proc, f"unix://{sock}"
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"the second dockerd did not start: {(root / 'dockerd.log').read_text()[-1500:]}")
+
+
+@pytest.fixture(scope="module")
+def far(tmp_path_factory):
+    """'A GPU box': sshd whose sessions talk to a second, empty Docker engine."""
+    why = sshd.available()
+    if why:
+        pytest.skip(why)
+    if not shutil.which("dockerd") or os.geteuid() != 0:
+        pytest.skip("a second Docker engine needs dockerd and root")
+    image = labelled_demo_image(IMAGE)
+    root = Path("/tmp") / f"dflash-far-{os.getpid()}"  # short: unix socket paths are limited to 108 bytes
+    root.mkdir(exist_ok=True)
+    proc, docker_host = start_engine(root)
+    server = sshd.start(tmp_path_factory.mktemp("sshd"), {"DOCKER_HOST": docker_host})
+    yield {"server": server, "docker_host": docker_host, "image": image, "out": tmp_path_factory.mktemp("dist"),
+           "remote": str(tmp_path_factory.mktemp("remote"))}
+    server.stop()
+    proc.terminate()
+    proc.wait(30)
+    subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def far_docker(far, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", "-H", far["docker_host"], *args], capture_output=True, text=True)
+
+
+def options(far, **kw):
+    s = far["server"]
+    return push_docker.PushDockerOptions(host=s.target, image=far["image"], out_dir=far["out"], port=s.port,
+                                         identity=str(s.identity), known_hosts=str(s.known_hosts),
+                                         remote_dir=far["remote"], progress=False, **kw)
+
+
+def test_image_travels_is_checked_and_its_doctor_runs_then_nothing_is_resent(far, capsys):
+    assert far_docker(far, "image", "inspect", far["image"]).returncode != 0  # the far engine starts empty
+    report = push_docker.push_docker(options(far))
+    local_id = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", far["image"]],
+                              capture_output=True, text=True).stdout.strip()
+    assert report.status == "loaded" and report.image_id == local_id
+    assert far_docker(far, "image", "inspect", "--format", "{{.Id}}", far["image"]).stdout.strip() == local_id
+    assert report.transfer["status"] == "sent" and report.transfer["bytes"] == report.artifact_bytes > 0
+    assert report.doctor_rc == 0 and "doctor: all checks passed ARGS=doctor --quick" in report.doctor_output
+    assert not os.listdir(far["remote"])  # the file is removed once loaded
+    again = push_docker.push_docker(options(far))
+    assert again.status == "already-present" and again.transfer == {}
+
+
+def test_interrupted_upload_resumes_from_the_partial(far):
+    far_docker(far, "rmi", "-f", far["image"])
+    info = push_docker.inspect_image(far["image"])
+    artifact, record = push_docker.save_compressed(info, far["out"], progress=False)
+    half = artifact.read_bytes()[: record["size"] // 2]
+    Path(far["remote"], f".{artifact.name}.partial").write_bytes(half)  # what a killed upload leaves
+    report = push_docker.push_docker(options(far, doctor=""))
+    assert report.status == "loaded" and report.transfer["status"] == "resumed"
+    assert report.transfer["bytes"] == record["size"] - len(half)
+
+
+def test_failing_doctor_fails_with_the_command_to_reproduce(far):
+    with pytest.raises(PushError, match=r"failed there \(exit 1\).*ssh root@127.0.0.1 docker run"):
+        push_docker.push_docker(options(far, doctor="doctor --fail"))
+
+
+def test_image_never_built_is_refused_naming_make_image(far):
+    with pytest.raises(ExportError, match=r"not in the local engine.*make image TARGET=cu128-sm90"):
+        push_docker.push_docker(push_docker.PushDockerOptions(host=far["server"].target,
+                                                              image="dflash-train:cu128-sm90"))
