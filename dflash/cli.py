@@ -24,31 +24,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from common.cli import DefaultsOnceHelpFormatter, add_version, project_version
+from common.cli import DefaultsOnceHelpFormatter, add_version, project_version, run_cli
 
 from dflash.config import add_arguments, from_args
-from dflash.errors import ConfigError, DflashError
-from dflash.train.signals import Terminated, sigterm_unwinds
+from dflash.errors import ConfigError
 
-SUBCOMMANDS = ("train", "eval", "export", "regenerate", "report", "doctor", "healthcheck")
-
-
-def _guard(fn, argv) -> int:
-    """Run fn(argv); a DflashError becomes its message and exit code, Ctrl-C exit code 130, SIGTERM 143
-    (training and server regeneration handle both signals themselves and finish cleanly first)."""
-    try:
-        with sigterm_unwinds():
-            return fn(argv)
-    except DflashError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("terminated (SIGTERM)", file=sys.stderr)
-        return 143
+def _framed(prog: str, fn, argv) -> int:
+    """fn(argv) under the project's one command-line frame (common.cli.run_cli): a DflashError becomes its
+    message and exit code, Ctrl-C exit code 130, SIGTERM 143 after the same clean-up (training and server
+    regeneration handle both signals themselves and finish cleanly first)."""
+    return run_cli(prog, lambda: fn(argv))
 
 
 # --- dflash-train ----------------------------------------------------------------------------------
@@ -78,7 +66,7 @@ def train_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
         return main(argv)
-    return _guard(_train, argv)
+    return _framed("dflash-train", _train, argv)
 
 
 # --- dflash-eval -----------------------------------------------------------------------------------
@@ -118,7 +106,7 @@ def _eval(argv) -> int:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    return _guard(_eval, sys.argv[1:] if argv is None else list(argv))
+    return _framed("dflash-eval", _eval, sys.argv[1:] if argv is None else list(argv))
 
 
 # --- dflash export ---------------------------------------------------------------------------------
@@ -231,50 +219,61 @@ def _report(argv) -> int:
 
 
 # --- dflash ----------------------------------------------------------------------------------------
-# The subcommands of the doctor package: imported lazily, they must work without a GPU.
-DOCTOR_COMMANDS = {"doctor": "dflash.doctor.doctor", "healthcheck": "dflash.doctor.healthcheck",
-                   "entrypoint": "dflash.doctor.entrypoint"}
+def _doctor_command(module: str):
+    """A subcommand of the doctor package: imported when run (it must work without a GPU, and the health
+    check must stay cheap); it has its own frame and exit codes."""
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(argv) or 0)
+    return run
 
 
-def _delegate(command: str, argv: list[str]) -> int:
-    import importlib
+@dataclass(frozen=True)
+class Subcommand:
+    run: Callable[[list[str]], int]
+    summary: str
+    framed: bool = True  # run under _framed; the doctor's commands handle their own errors and signals
 
-    return int(importlib.import_module(DOCTOR_COMMANDS[command]).main(argv) or 0)
+
+COMMANDS: dict[str, Subcommand] = {
+    "train": Subcommand(_train, "train a drafter (dflash-train; no options: the built-in demo)"),
+    "eval": Subcommand(_eval, "tau, tokens/s and losslessness of a trained drafter (dflash-eval)"),
+    "export": Subcommand(_export, "convert an older project drafter into the reference DFlash layout"),
+    "regenerate": Subcommand(_regenerate, "rewrite a chat JSONL's answers with the target's own responses"),
+    "report": Subcommand(_report, "plots and a summary of a training run (RUN_DIR/report)"),
+    "doctor": Subcommand(_doctor_command("dflash.doctor.doctor"),
+                         "report the GatedDeltaNet kernels, versions and arch coverage", framed=False),
+    "healthcheck": Subcommand(_doctor_command("dflash.doctor.healthcheck"),
+                              "the container health check (cached doctor verdict + trainer heartbeat)", framed=False),
+    "entrypoint": Subcommand(_doctor_command("dflash.doctor.entrypoint"),
+                             "the dflash-train image's entrypoint (background doctor, then the command)",
+                             framed=False),
+}
+# What `dflash-train NAME` dispatches like `dflash NAME` (the image's entrypoint is dflash-train).
+SUBCOMMANDS = tuple(name for name in COMMANDS if name != "entrypoint")
+
+
+def _usage() -> str:
+    lines = [f"usage: dflash {{{','.join(name for name in COMMANDS if name != 'entrypoint')}}} [options]"]
+    lines += [f"  {name:<11} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    return "\n".join(lines + ["Each subcommand takes --help; --version prints the version."])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    usage = ("usage: dflash {train,eval,export,regenerate,report,doctor,healthcheck} [options]\n"
-             "  train       train a drafter (dflash-train; no options: the built-in demo)\n"
-             "  eval        tau, tokens/s and losslessness of a trained drafter (dflash-eval)\n"
-             "  export      convert an older project drafter into the reference DFlash layout\n"
-             "  regenerate  rewrite a chat JSONL's answers with the target's own responses\n"
-             "  report      plots and a summary of a training run (RUN_DIR/report)\n"
-             "  doctor      report the GatedDeltaNet kernels, versions and arch coverage\n"
-             "  healthcheck the container health check (cached doctor verdict + trainer heartbeat)\n"
-             "  entrypoint  the dflash-train image's entrypoint (background doctor, then the command)\n"
-             "Each subcommand takes --help; --version prints the version.")
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(_usage())
         return 0 if argv else 2
     if argv[0] == "--version":
         print(f"dflash {project_version()}")
         return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        return _guard(_train, rest)
-    if cmd == "eval":
-        return eval_main(rest)
-    if cmd == "export":
-        return _guard(_export, rest)
-    if cmd == "regenerate":
-        return _guard(_regenerate, rest)
-    if cmd == "report":
-        return _guard(_report, rest)
-    if cmd in DOCTOR_COMMANDS:
-        return _delegate(cmd, rest)
-    print(f"error: unknown command '{cmd}'.\n{usage}", file=sys.stderr)
-    return 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command '{name}'.\n{_usage()}", file=sys.stderr)
+        return 2
+    command = COMMANDS[name]
+    return _framed(f"dflash {name}", command.run, rest) if command.framed else command.run(rest)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The errors of the `dflash`, `dflash-train` and `dflash-eval` programs, one class per failure, each
 with its own exit code (as wheelbuilder/errors.py does for the build side).
 
-Messages say what failed, the values seen, and what to do next. The command lines (`dflash.cli`) catch
-DflashError, print its message and exit with its code; everything below them only raises, so tests call
+Messages say what failed, the values seen, and what to do next. DflashError derives from the project's
+one error base (common.errors.FatalError), so the command lines (`dflash.cli`, under common.cli.run_cli)
+catch it, print its message and exit with its code; everything below them only raises, so tests call
 the functions directly. Each class also keeps the built-in base it has always had (ValueError,
 RuntimeError), so callers that catch those still do.
 
@@ -19,8 +20,10 @@ RuntimeError), so callers that catch those still do.
 
 from __future__ import annotations
 
+from common.errors import FatalError
 
-class DflashError(Exception):
+
+class DflashError(FatalError):
     """A failure that stops a dflash command; `str()` is the full, user-facing message."""
 
     exit_code = 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import signal
-from contextlib import contextmanager
 
 log = logging.getLogger("dflash.train")
 
@@ -49,25 +48,3 @@ class StopFlag:
         """128 + the signal after one (130 Ctrl-C, 143 SIGTERM: a scheduler or `docker stop` can tell the
         run was stopped, not finished; the checkpoint is written either way), 0 after a request."""
         return {"SIGINT": 130, "SIGTERM": 143}.get(self.reason or "", 0)
-
-
-class Terminated(BaseException):
-    """SIGTERM outside a training loop (which handles it itself through StopFlag): unwinds like Ctrl-C,
-    so `finally` blocks and atomic writes clean up, and the command exits 143."""
-
-
-@contextmanager
-def sigterm_unwinds():
-    """While inside: SIGTERM raises Terminated in the main thread instead of killing the process outright."""
-    def handler(signum, _frame):
-        raise Terminated
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -143,7 +143,7 @@ def test_sigterm_outside_training_unwinds_and_exits_143(tmp_path, capsys):
     import signal
     import time
 
-    from dflash.cli import _guard
+    from dflash.cli import _framed
 
     cleaned = []
 
@@ -156,7 +156,7 @@ def test_sigterm_outside_training_unwinds_and_exits_143(tmp_path, capsys):
             cleaned.append(True)
 
     before = signal.getsignal(signal.SIGTERM)
-    assert _guard(body, []) == 143
+    assert _framed("dflash test", body, []) == 143
     assert cleaned == [True]
-    assert "terminated (SIGTERM)" in capsys.readouterr().err
+    assert "dflash test: SIGTERM received" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is restored afterwards
