@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-drafter bench-flex bench-fit bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-drafter bench-flex bench-fit bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -114,7 +114,10 @@ push-docker: venv  ## stream the image to a Docker host over SSH and run its doc
 	@test -n "$(HOST)" || { echo 'usage: make push-docker HOST=user@gpu-box [TARGET=...] [PUSH_ARGS=--port 2222]'; exit 2; }
 	$(PY) -m images push-docker --target $(TARGET) --host $(HOST) $(PUSH_ARGS)
 
-test: venv engine  ## run every test tier this machine can run
+lint: venv  ## ruff over the whole tree (rules in pyproject.toml)
+	$(VENV)/bin/ruff check .
+
+test: venv lint engine  ## lint, then every test tier this machine can run
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: venv  ## unit tests only (no Docker, no compiles)
