@@ -260,33 +260,81 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
-@pytest.mark.parametrize("sig, code, words", [(signal.SIGTERM, 143, "SIGTERM received"),
-                                              (signal.SIGINT, 130, "interrupted")])
-def test_a_signal_mid_compile_stops_the_compilers_and_leaves_no_staging(sig, code, words, tmp_path):
-    out, pids = tmp_path / "out", tmp_path / "pids"
+def _session_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError):
+        return None
+
+
+def _live_in_session(sid: int) -> list[int]:
+    """Live processes (not zombies) of session `sid`, read from /proc: the build's pip and all it started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _signalled_build(tmp: Path, sig: int) -> tuple[int, str, list[int], int]:
+    """Run the build double, send `sig` once its fake compilers run; return (exit code, stderr, the pids of
+    compilers, ninja and setup.py, the session id of the build's pip) once the build has exited."""
+    out, pids = tmp / "out", tmp / "pids"
     env = {**os.environ, "WHEELBUILDER_DOUBLE_PIDS": str(pids)}
     for name in ("MAX_JOBS", "NVCC_THREADS", "SOURCE_DATE_EPOCH"):
         env.pop(name, None)
     proc = subprocess.Popen([sys.executable, str(DOUBLE), "build", "--target", TARGET, "--out", str(out),
-                             "--build-dir", str(tmp_path / "bd")], env=env, stdout=subprocess.PIPE,
+                             "--build-dir", str(tmp / "bd")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not (pids.exists() and pids.read_text().endswith("\n")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+            time.sleep(0.05)
         children = [int(p) for p in pids.read_text().split()]
+        sid = _session_of(children[0])
+        assert sid is not None and sid != os.getsid(0), "the compilers should run in the build's own session"
         assert list(out.glob(".staging-*")), "the compile should be under way in a staging folder"
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == code, err
+    return proc.returncode, err, children, sid
+
+
+@pytest.mark.parametrize("sig, code, words", [(signal.SIGTERM, 143, "SIGTERM received"),
+                                              (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_mid_compile_stops_the_compilers_and_leaves_no_staging(sig, code, words, tmp_path):
+    rc, err, children, _ = _signalled_build(tmp_path, sig)
+    out = tmp_path / "out"
+    assert rc == code, err
     assert words in err and "Traceback" not in err
     assert not list(out.glob(".staging-*")) and not list(out.glob("*.whl")) and not (out / "manifest.json").exists()
-    deadline = time.monotonic() + 10
-    while any(map(_alive, children)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(_alive, children)), f"compiler processes outlived the build: {children}"
+    assert not [p for p in children if _alive(p)], f"compiler processes outlived the build: {children}"
+
+
+def test_no_compiler_outlives_20_signalled_builds(tmp_path):
+    """The orphan race: pip exits at once on SIGTERM, while ninja stops its jobs (each in a process group
+    of its own) only after it has caught the signal. Twenty builds, SIGTERM and SIGINT in turn: when the
+    build has exited, no process it started is alive, at once (no grace period for stragglers)."""
+    survivors = {}
+    for i in range(20):
+        sig, code = (signal.SIGTERM, 143) if i % 2 == 0 else (signal.SIGINT, 130)
+        rc, err, children, sid = _signalled_build(tmp_path / str(i), sig)
+        left = sorted(set(_live_in_session(sid)) | {p for p in children if _alive(p)})
+        if left:
+            survivors[i] = left
+            for pid in left:  # do not leave them running for the rest of the test run
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        assert rc == code and "Traceback" not in err, err
+        assert not list((tmp_path / str(i) / "out").glob(".staging-*"))
+    assert not survivors, f"processes outlived their build (run: pids): {survivors}"
