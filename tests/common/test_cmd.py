@@ -18,7 +18,8 @@ import pytest
 
 from common.cmd import kill_group, run
 
-SLOW = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.3), sys.exit(1)))\ntime.sleep(300)\n"
+SLOW = ("import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.3), sys.exit(1)))\ntime.sleep(300)\n")
 DEAF = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(300)\n"
 LEADER = f"""
 import subprocess, sys, time

@@ -95,8 +95,8 @@ def fake_cuda(tmp: Path, executable: bool) -> Path:
     return home
 
 
-def targets_file(tmp: Path, edit: Callable[[str], str]) -> Path:
-    path = tmp / "targets.toml"
+def targets_file(tmp: Path, edit: Callable[[str], str], name: str = "targets.toml") -> Path:
+    path = tmp / name
     path.write_text(edit((REPO / "targets.toml").read_text()))
     return path
 
@@ -129,6 +129,16 @@ def wheel_with(damage) -> Callable[[Path], Path]:
         damage(w)
         return w
     return make
+
+
+def renamed(t: Path) -> Path:
+    """A sound wheel whose file name says another version than its metadata."""
+    w = make_wheel(t / "wheels")
+    return w.rename(w.with_name(w.name.replace("1.7.0+", "1.7.1+")))
+
+
+def diff(damage) -> Callable[[Path], list[str]]:
+    return lambda t: ["diff", str(make_wheel(t / "good")), str(wheel_with(damage)(t))]
 
 
 def file_with(name: str, data: bytes) -> Callable[[Path], Path]:
@@ -173,6 +183,28 @@ CASES = [
         'arches = ["12.0"]', 'arches = ["12.0", "12.0"]', 1))), "list"], 2, ("named twice",)),
     Case("targets-file-bad-sha", lambda t: ["--targets-file", str(targets_file(t, lambda s: s.replace(
         'sha256 = "', 'sha256 = "X', 1))), "list"], 2, ("sha256", "64 lowercase hex")),
+    Case("targets-file-directory", lambda t: ["--targets-file", str(t), "list"], 2, ("is a directory", "TOML file")),
+    Case("targets-file-named-in-load-errors", lambda t: ["--targets-file", str(targets_file(t, lambda s: s.replace(
+        'arches = ["12.0"]', 'arches = ["12.0", "12.0"]', 1), "pins.toml")), "list"], 2, ("pins.toml", "named twice")),
+    Case("targets-file-named-in-audit-fixes", lambda t: ["--targets-file", str(targets_file(t, str, "pins.toml")),
+                                                         *audit(wheel_with(lambda w: None))(t)], 6,
+         ("pins.toml names the wrong module",)),
+    Case("out-is-a-file", lambda t: build()(t)[:4] + [str(file_with("out", b"x")(t))] + build()(t)[5:], 2,
+         ("--out", "is a file", "must be a directory")),
+    Case("out-is-a-file-dry-run", lambda t: dry()(t)[:4] + [str(file_with("out", b"x")(t))] + dry()(t)[5:], 2,
+         ("--out", "is a file")),
+    Case("out-below-a-file", lambda t: build()(t)[:4] + [str(file_with("out", b"x")(t) / "sub")] + build()(t)[5:], 2,
+         ("lies below", "which is a file")),
+    Case("build-dir-is-a-file", lambda t: build()(t)[:6] + [str(file_with("bd", b"x")(t))], 2,
+         ("--build-dir", "is a file")),
+    Case("audit-renamed-wheel", audit(renamed), 6, ("file name does not match the wheel's metadata", "renamed",
+                                                    "causal_conv1d-1.7.0+cu130torch2.11sm120-")),
+    Case("diff-bad-deflate", diff(damage_deflate), 6, ("is damaged", "cannot be read", "verify --dir")),
+    Case("diff-bad-crc", diff(damage_crc), 6, ("is damaged", "CRC")),
+    Case("diff-truncated", diff(lambda w: w.write_bytes(w.read_bytes()[:600])), 6,
+         ("is damaged", "central directory", "cut short")),
+    Case("diff-not-a-zip", lambda t: ["diff", str(make_wheel(t / "good")), str(file_with(WHEEL_NAME, b"html")(t))],
+         6, ("is damaged", "not a zip archive")),
     Case("audit-missing-wheel", audit(lambda t: t / "wheels" / WHEEL_NAME), 6, ("does not exist",)),
     Case("audit-not-a-zip", audit(file_with(WHEEL_NAME, b"not a zip at all")), 6, ("not a zip archive", "damaged")),
     Case("audit-truncated", audit(wheel_with(lambda w: w.write_bytes(w.read_bytes()[:200]))), 6, ("damaged",)),
@@ -338,3 +370,23 @@ def test_no_compiler_outlives_20_signalled_builds(tmp_path):
         assert rc == code and "Traceback" not in err, err
         assert not list((tmp_path / str(i) / "out").glob(".staging-*"))
     assert not survivors, f"processes outlived their build (run: pids): {survivors}"
+
+
+def test_a_pin_mismatch_names_the_targets_file_given(tmp_path, monkeypatch, capsys):
+    """`--targets-file pins.toml`: the sdist's sha256 check says to fix the pin in pins.toml, not in the
+    repository's targets.toml (the real fetch_sdist, reading a cache that holds a different file)."""
+    from wheelbuilder import recipes
+
+    fetch_sdist = recipes.fetch_sdist  # the real one, before the double replaces it
+    _double(monkeypatch)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(recipes, "fetch_sdist", lambda recipe: fetch_sdist(recipe, cache))
+    pins = targets_file(tmp_path, str, "pins.toml")
+    recipe = load(pins).target(TARGET).recipes[0]
+    (cache / recipe.sha256).mkdir(parents=True)
+    (cache / recipe.sha256 / recipe.sdist).write_bytes(b"not the pinned sdist")
+    code = main(["--targets-file", str(pins), "build", "--target", TARGET, "--out", str(tmp_path / "out"),
+                 "--build-dir", str(tmp_path / "bd")])
+    err = capsys.readouterr().err
+    assert_clear_failure(code, 4, err, (f"does not match the pin {recipe.sha256} in {pins}", "moved aside"))
+    assert "targets.toml" not in err
