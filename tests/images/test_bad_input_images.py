@@ -25,6 +25,7 @@ import pytest
 from tests.support.bad_input import assert_clear_failure, snapshot
 from images import imageinfo, template
 from images.transfer import main_send
+from common.fsutil import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -247,6 +248,46 @@ def test_push_to_a_port_where_no_ssh_server_answers(not_ssh, tmp_path):
                                                       "Check --port"))
     assert r.stderr.count("\n") == 1, f"one message, nothing before it: {r.stderr}"
     assert not (tmp_path / "dist").exists()
+
+
+def test_an_export_into_a_directory_in_use_is_refused(tmp_path, capsys):
+    """Another export holds the output directory: refused (7) before the image is even looked up."""
+    from common.fsutil import exclusive
+    from images.__main__ import main
+
+    out = tmp_path / "dist"
+    with exclusive(out, "export"):
+        before = snapshot(tmp_path)
+        rc = main(["export", "--image", "dflash-no-such-image:1", "--format", "template", "--out-dir", str(out)])
+        assert_clear_failure(rc, 7, capsys.readouterr().err, ("another export is using", f"pid {os.getpid()}"))
+        assert snapshot(tmp_path) == before
+
+
+@pytest.mark.docker
+def test_two_exports_into_one_directory_are_refused_or_serialised(tmp_path):
+    """Two real `export` processes started together into one --out-dir: the second is refused (7) while the
+    first holds the directory, or runs after it; never both at once (they would share .NAME.tmp)."""
+    from images import records
+    from tests.support.pct_double.demo_image import demo_image_or_skip
+
+    image = demo_image_or_skip()
+    out = tmp_path / "dist"
+    cmd = [sys.executable, "-m", "images", "export", "--image", image, "--format", "template", "--out-dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes in ([0, 0], [0, 7]), results
+    for rc, err in results:
+        assert "Traceback" not in err, err
+        if rc == 7:
+            assert "another export is using" in err, err
+    artifacts = [p for p in out.iterdir() if p.name.endswith(".tar.zst")]
+    assert len(artifacts) == 1
+    record = records.read_record(artifacts[0])
+    assert record["size"] == artifacts[0].stat().st_size and record["sha256"] == sha256_file(artifacts[0])
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".build.lock"]
 
 
 def _spool(tmp: Path, names: dict[str, bytes | None]) -> Path:

@@ -390,3 +390,40 @@ def test_a_pin_mismatch_names_the_targets_file_given(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert_clear_failure(code, 4, err, (f"does not match the pin {recipe.sha256} in {pins}", "moved aside"))
     assert "targets.toml" not in err
+
+
+@pytest.mark.parametrize("shared", ["build-dir", "out"])
+def test_two_builds_into_one_directory_the_second_is_refused(shared, tmp_path):
+    """Two real build processes, one --build-dir (or one --out): the second stops with BusyError (7) naming
+    the first's pid, and the first's compile goes on untouched until it is stopped."""
+    first_pids = tmp_path / "first.pids"
+    env = {**os.environ, "WHEELBUILDER_DOUBLE_PIDS": str(first_pids)}
+    for name in ("MAX_JOBS", "NVCC_THREADS", "SOURCE_DATE_EPOCH"):
+        env.pop(name, None)
+
+    def build_cmd(name: str) -> list[str]:
+        out = tmp_path / ("out" if shared == "out" else f"out-{name}")
+        bd = tmp_path / ("bd" if shared == "build-dir" else f"bd-{name}")
+        return [sys.executable, str(DOUBLE), "build", "--target", TARGET, "--out", str(out), "--build-dir", str(bd)]
+
+    first = subprocess.Popen(build_cmd("first"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (first_pids.exists() and first_pids.read_text().endswith("\n")):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        compilers = [int(p) for p in first_pids.read_text().split()]
+        sources = sorted(str(p) for p in tmp_path.rglob("setup.py"))
+        second = subprocess.run(build_cmd("second"), env={**env, "WHEELBUILDER_DOUBLE_PIDS": str(tmp_path / "x")},
+                                capture_output=True, text=True, timeout=120)
+        assert_clear_failure(second.returncode, 7, second.stderr, ("another build is using", f"pid {first.pid}"))
+        assert first.poll() is None and all(map(_alive, compilers)), "the first build must go on"
+        assert sorted(str(p) for p in tmp_path.rglob("setup.py")) == sources  # its tree was not unpacked over
+        assert not (tmp_path / "x").exists()  # the second compiled nothing
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 143, err
