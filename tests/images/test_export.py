@@ -11,6 +11,7 @@ import pytest
 
 from images import export, imageinfo, oci, records, template
 from images.errors import ExportError
+from tests.conftest import need_tools
 from tests.support.pct_double.demo_image import demo_image
 from common.fsutil import sha256_file
 
@@ -81,6 +82,7 @@ def test_missing_image_is_a_clear_error():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     pytest.importorskip("docker")
+    need_tools("skopeo", "zstd")  # skopeo writes the OCI archive, zstd compresses the template
     try:
         image = demo_image()
     except Exception as e:  # no engine, no base

@@ -61,9 +61,9 @@ class LoopbackSshd:
 def available() -> str | None:
     """None when a loopback sshd can run here, else why not."""
     if not shutil.which("sshd", path="/usr/sbin:" + os.environ.get("PATH", "")):
-        return "sshd (openssh-server) is not installed"
+        return "sshd is not installed (apt-get install openssh-server)"
     if not shutil.which("ssh-keygen"):
-        return "ssh-keygen is not installed"
+        return "ssh-keygen is not installed (apt-get install openssh-client)"
     return None
 
 
