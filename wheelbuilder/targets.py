@@ -290,7 +290,7 @@ def _load(path: Path) -> Catalog:
         raise ConfigurationError(f"{path}: not a UTF-8 text file ({e}); --targets-file takes a TOML file.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigurationError(f"{path}: not valid TOML: {e}.") from None
-    _check_keys(data, {"default_target", "toolkits", "torch", "targets", "recipes"}, path.name)
+    _check_keys(data, {"default_target", "toolkits", "torch", "targets", "recipes"}, "top level")
 
     toolkits = {}
     for name, t in data.get("toolkits", {}).items():
@@ -343,7 +343,7 @@ def _load(path: Path) -> Catalog:
             name=name, description=t.get("description", ""), toolkit=toolkit, torch=torch,
             arches=arches, recipes=tuple(recipes[r] for r in t["recipes"]), source=str(path),
         )
-    default = _need(data, "default_target", path.name)
+    default = _need(data, "default_target", "top level")
     catalog = Catalog(path=path, default_target=default, targets=targets)
     catalog.target(default)  # the default must exist
     return catalog
