@@ -27,6 +27,7 @@ OCI_MIN_PVE = Version("9.1")  # pve-container >= 6.0.15 restores OCI archives
 PULL_MIN_PVE = OCI_MIN_PVE
 DEV_MIN_PVE = Version("8.2")  # devN passthrough (pve-container >= 5.0.7)
 FEATURES = ("nesting", "keyctl", "fuse", "mknod", "mount", "force_rw_sys")
+CTID_MIN, CTID_MAX = 100, 999_999_999  # pve-vmid (pve-common): VMs and containers share one ID range
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,18 @@ class ContainerPlan:
         return f"{self.template_storage}:vztmpl/{self.template}"
 
 
+def check_ctid(ctid: int) -> None:
+    """Proxmox guest IDs run from 100 to 999999999 (the `pve-vmid` format of pve-common's JSONSchema.pm;
+    IDs below 100 are reserved). Checked before any connection: no host would take another."""
+    if not CTID_MIN <= ctid <= CTID_MAX:
+        raise HostError(f"CTID {ctid} is out of range: Proxmox container IDs run from {CTID_MIN} to {CTID_MAX} "
+                        f"(below {CTID_MIN} they are reserved). Pick a free ID in that range (`pct list` or "
+                        "`pvesh get /cluster/nextid` on the host).")
+
+
 def check_plan(plan: ContainerPlan, facts: HostFacts, image_cuda: str | None) -> list[gpu.NvidiaDevice]:
     """Refuse what cannot work, with the fix; return the GPU device nodes to pass through."""
-    if not 100 <= plan.ctid <= 999_999_999:
-        raise HostError(f"CTID {plan.ctid} is out of range; Proxmox IDs run from 100 to 999999999.")
+    check_ctid(plan.ctid)
     if plan.ctid in facts.ctids and not plan.replace:
         raise HostError(f"CTID {plan.ctid} is already in use on the host. Pick a free ID (`pct list` shows the "
                         "used ones) or pass --replace to destroy that container and its volumes first.")

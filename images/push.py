@@ -67,6 +67,8 @@ def say(msg: str) -> None:
 
 
 def push(o: PushOptions) -> PushReport:
+    proxmox.check_ctid(o.ctid)  # what is wrong in the options themselves: refused before any connection
+    transfer.parse_target(o.host)
     report = PushReport()
     ref = registry.parse_reference(o.from_registry) if o.from_registry else None
     info, layers = registry_image(ref, o.ca_cert) if ref else (inspect_image(o.image), [])
@@ -277,9 +279,16 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _ctid(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"CTID '{text}' is not a number (Proxmox IDs are 100..999999999)")
-    return int(text)
+    try:
+        ctid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"CTID '{text}' is not a whole number; Proxmox container IDs run from "
+                                         f"{proxmox.CTID_MIN} to {proxmox.CTID_MAX}") from None
+    try:
+        proxmox.check_ctid(ctid)
+    except HostError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return ctid
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -4,6 +4,7 @@ environment through the carried files."""
 import pytest
 
 from images import export, lxc
+from tests.conftest import need_tools
 from images.errors import LxcError
 from tests.support.pct_double.demo_image import demo_image_or_skip
 
@@ -15,6 +16,7 @@ def artifacts(tmp_path_factory):
     why = lxc.available()
     if why:
         pytest.skip(why)
+    need_tools("skopeo", "zstd")  # both formats are exported
     image = demo_image_or_skip()
     out = tmp_path_factory.mktemp("artifacts")
     oci, template = export.export(image, "both", out, progress=False).artifacts
@@ -47,6 +49,7 @@ def test_template_boots_and_attach_sees_the_image_environment(artifacts, contain
 
 
 def test_oci_archive_boots_with_env_only_for_init(artifacts, container):
+    need_tools("umoci")  # unpacks the OCI archive, as pct does
     container.create(artifacts["oci"])
     container.start()
     init_env = container.attach(["cat", "/proc/1/environ"]).stdout

@@ -8,6 +8,7 @@ import pytest
 
 from images import export, lxc, push
 from images.errors import HostError, PushError
+from tests.conftest import need_tools
 from tests.support.pct_double import sshd
 from tests.support.pct_double.demo_image import demo_image_or_skip
 from wheelbuilder import targets as tg
@@ -43,6 +44,7 @@ def pve(tmp_path_factory):
     for why in (sshd.available(), lxc.available()):
         if why:
             pytest.skip(why)
+    need_tools("zstd")  # the rootfs template; the OCI test asks for skopeo and umoci itself
     image = demo_image_or_skip()
     base = tmp_path_factory.mktemp("pve")
     env = {"PCT_DOUBLE_PYTHON": sys.executable, "PYTHONPATH": str(REPO), "PCT_DOUBLE_ROOT": str(base / "lxc"),
@@ -101,6 +103,7 @@ def test_push_template_end_to_end_then_refuse_then_replace(pve, capsys):
 @pytest.mark.lxc
 @pytest.mark.docker
 def test_push_oci_on_pve_9_1(pve):
+    need_tools("skopeo", "umoci")  # skopeo writes the archive here, umoci unpacks it in the pct double
     set_pve_version(pve, "9.1.2")
     report = push.push(options(pve, 201))
     assert [s for s in report.steps if s["step"] == "export"][0]["path"].endswith(".oci.tar")
