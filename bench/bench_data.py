@@ -96,10 +96,10 @@ def time_to_first_step(target: Path, data: Path, out: Path, cache: Path, procs: 
     from dflash.config import TrainConfig
     from dflash.train.trainer import train
 
-    config = TrainConfig(target=str(target), data=str(data), out=str(out), data_cache=str(cache), num_proc=procs,
-                         block_size=4, drafter_layers=1, max_length=512, max_tokens=2048, batch_size=4,
-                         max_anchors=8, max_steps=1, epochs=0, save_every=0, device="cpu", progress=False,
-                         attention="sdpa", cpu_threads=1)
+    config = TrainConfig.from_flat(target=str(target), data=str(data), out=str(out), data_cache=str(cache),
+                                   num_proc=procs, block_size=4, drafter_layers=1, max_length=512, max_tokens=2048,
+                                   batch_size=4, max_anchors=8, max_steps=1, epochs=0, save_every=0, device="cpu",
+                                   progress=False, attention="sdpa", cpu_threads=1, overwrite=True)
     first: list[float] = []
     t0 = time.perf_counter()
     train(config, handle_signals=False, on_step=lambda step, m: first.append(time.perf_counter() - t0) or True)

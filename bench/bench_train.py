@@ -108,8 +108,9 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
 
 def first_micro_batch(target, items, cfg: TrainConfig):
     """(batch on the device, anchors, drafter config) of the loop's first micro-batch, as the trainer makes them."""
-    batch, anchors = collate_with_anchors(items[: cfg.batch_size], cfg.max_anchors, target.device)
-    dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.drafter_layers, block_size=cfg.block_size)
+    batch, anchors = collate_with_anchors(items[: cfg.optim.batch_size], cfg.model.max_anchors, target.device)
+    dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.model.drafter_layers,
+                                     block_size=cfg.model.block_size)
     return batch, anchors, dcfg
 
 
@@ -123,7 +124,7 @@ def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = 
     drafter = Drafter(dcfg, attention=attention_impl(cfg, device, dcfg.head_dim)).to(device)
     if compile_layers(cfg, device):
         drafter.compile_layers()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, fused=device.type == "cuda")
     phases: dict[str, list[float]] = {"target forward": [], "drafter forward": [], "drafter backward": [],
                                       "optimizer step": []}
     for rep in range(reps + 1):
@@ -134,10 +135,10 @@ def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = 
             stamps[phase] = time.perf_counter()
 
         mark("start")
-        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=cfg.block_size, gamma=cfg.gamma,
-                                autocast_dtype=precision(cfg, device), mark=mark)
+        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=cfg.model.block_size,
+                                gamma=cfg.model.gamma, autocast_dtype=precision(cfg, device), mark=mark)
         backward(sums, d, grad_accum=1)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
         mark("drafter backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -185,7 +186,7 @@ def bench_one(name: str, target, args, device, attention: str, variant: str, pea
 
 def _bench_in(name: str, target, args, device, seq: int, out: str, attention: str, variant: str,
               peak: float | None) -> dict:
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
         max_length=max(seq, 2 * args.block_size), max_tokens=max(seq, 2 * args.block_size) * args.batch_size,
         batch_size=args.batch_size, max_anchors=args.anchors, max_steps=args.steps + args.warmup, epochs=0,

@@ -16,8 +16,8 @@
 a first argument naming a subcommand is dispatched like `dflash <subcommand>`.
 
 This module only parses and dispatches. Every `*_main(argv) -> int` returns an exit code; a DflashError
-(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6, drafter 7, server 8) prints one
-clear message instead of a traceback and exits with its code.
+(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6, drafter 7, server 8, --out in use
+by another run 10) prints one clear message instead of a traceback and exits with its code.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from common.cli import DefaultsOnceHelpFormatter, add_version, project_version, run_cli
 
-from dflash.config import add_arguments, from_args
+from dflash.config import TrainConfig, add_arguments, from_args
 from dflash.errors import ConfigError
 
 def _framed(prog: str, fn, argv) -> int:
@@ -53,8 +53,16 @@ def train_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def train_config(argv: list[str]) -> TrainConfig:
+    """The TrainConfig that `dflash-train ARGV` runs with (flags, --config file, demo defaults, and with
+    --resume the config stored in --out)."""
+    from dflash.train.rundir import read_stored_config
+
+    return from_args(train_parser().parse_args(argv), read_stored_config)
+
+
 def _train(argv) -> int:
-    config = from_args(train_parser().parse_args(argv))
+    config = train_config(argv)
     if config.is_demo:
         from dflash.demo.pipeline import run_demo
         return run_demo(config)

@@ -59,7 +59,8 @@ class DrafterConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960  # longest sequence the engines size RoPE for (the target's)
     vocab_size: int                   # rows of the target's embedding / head
-    block_size: int = 16              # tokens per block: the anchor + bs-1 masked positions
+    block_size: int                   # tokens per block: the anchor + bs-1 masked positions (no default:
+                                      # the trainer's --block-size is the one default)
     num_target_layers: int            # decoder layers of the target
     target_layer_ids: list[int] = field(default_factory=list)  # tapped target layers, ascending; id l =
                                       # output of decoder layer l (HF hidden_states[l + 1])

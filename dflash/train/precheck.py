@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash.config import TrainConfig
 from dflash.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 
 
-def check_data_paths(config) -> None:
+def check_data_paths(config: TrainConfig) -> None:
     """A --data or --eval-data that is plainly a local file path must exist (names resolved by the data
     loader, such as saved datasets, are left to it)."""
-    for flag, value in (("--data", config.data), ("--eval-data", getattr(config, "eval_data", None))):
+    for flag, value in (("--data", config.io.data), ("--eval-data", config.watch.eval_data)):
         if not value:
             continue
         path = Path(value).expanduser()
@@ -27,12 +28,12 @@ def check_data_paths(config) -> None:
                             "directory of them, or a saved dataset")
 
 
-def check_target_cheaply(config) -> None:
+def check_target_cheaply(config: TrainConfig) -> None:
     """--target-layer-ids and the mask token against the target's config.json and tokenizer; skipped
     when --target is not a local model directory (the loader says why) or --init-drafter decides both."""
-    if not config.target or getattr(config, "init_drafter", None):
+    if not config.io.target or config.model.init_drafter:
         return
-    path = Path(config.target)
+    path = Path(config.io.target)
     if not (path / "config.json").is_file():
         return
     from transformers import AutoConfig, AutoTokenizer
@@ -40,13 +41,13 @@ def check_target_cheaply(config) -> None:
     from dflash.model.target import _resolve_mask_token, check_layer_ids
 
     text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
-    if config.target_layer_ids is not None:
-        check_layer_ids(config.target_layer_ids, int(text.num_hidden_layers))
+    if config.model.target_layer_ids is not None:
+        check_layer_ids(config.model.target_layer_ids, int(text.num_hidden_layers))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.mask_token)
+    _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.model.mask_token)
 
 
-def check_before_loading(config, *, data: bool = True, target: bool = True) -> None:
+def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True) -> None:
     if data:
         check_data_paths(config)
     if target:

@@ -20,13 +20,14 @@ import math
 from pathlib import Path
 
 from dflash.errors import ConfigError
+from dflash.train.rundir import RunDir
 
 PLOTS = ("loss", "acceptance", "tau", "throughput")
 
 
 def read_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(training records, evaluation records) of metrics.jsonl, one per step, by step."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: {run_dir} is not a dflash-train output dir, or the run "
                           "has not finished a step yet.")
@@ -156,13 +157,12 @@ def write_report(run_dir) -> Path:
     """Plots and report.md into <run_dir>/report; returns the report.md path."""
     from common.fsutil import atomic_write
 
-    run_dir = Path(run_dir)
-    train, evals = read_records(run_dir)
-    config_path = run_dir / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    out = run_dir / "report"
+    run = RunDir(run_dir)
+    train, evals = read_records(run.root)
+    config = run.stored_options()
+    out = run.report
     out.mkdir(parents=True, exist_ok=True)
     write_plots(out, train, evals)
     report = out / "report.md"
-    atomic_write(report, summary_markdown(run_dir, train, evals, config))
+    atomic_write(report, summary_markdown(run.root, train, evals, config))
     return report

@@ -3,7 +3,6 @@ SIGTERM/SIGINT handling, refusal to resume a mismatched run, and (slow) a demo r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -83,10 +82,9 @@ def test_lr_schedule_warms_up_linearly_then_decays_by_cosine():
 
 # --- resume ----------------------------------------------------------------------------------------
 def _config(target, data, out, **kw) -> TrainConfig:
-    from dflash.config import from_args
-    from dflash.cli import train_parser
+    from dflash.cli import train_config
 
-    return from_args(train_parser().parse_args(train_args(target, data, out, **kw)))
+    return train_config(train_args(target, data, out, **kw))
 
 
 def test_resume_gives_the_same_run_as_no_interruption(tiny, tmp_path):
@@ -94,11 +92,11 @@ def test_resume_gives_the_same_run_as_no_interruption(tiny, tmp_path):
     target, data = tiny
     cfg = _config(target, data, tmp_path / "straight", max_steps=4, grad_accum=2)
     straight = train(cfg, handle_signals=False)
-    first = train(dataclasses.replace(cfg, out=str(tmp_path / "split")), handle_signals=False,
+    first = train(cfg.replace(out=str(tmp_path / "split")), handle_signals=False,
                   on_step=lambda step, _m: step == 2)
     assert first.stopped_by == "request" and first.step == 2 and first.exit_code == 0
     assert not (tmp_path / "split" / "drafter").exists()  # only a finished run exports its drafter
-    rest = train(dataclasses.replace(cfg, out=str(tmp_path / "split"), resume=True), handle_signals=False)
+    rest = train(cfg.replace(out=str(tmp_path / "split"), resume=True), handle_signals=False)
     assert rest.step == 4
     assert [m["loss"] for m in first.history + rest.history] == [m["loss"] for m in straight.history]
     for (name, a), b in zip(straight.drafter.state_dict().items(), rest.drafter.state_dict().values()):
@@ -212,7 +210,7 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
     g = torch.Generator().manual_seed(0)
     items = [{"input_ids": torch.randint(4, 1000, (8192,), generator=g), "loss_mask": torch.ones(8192, dtype=torch.long)}
              for _ in range(8)]
-    cfg = TrainConfig(out=str(tmp_path / "oom"), max_length=8192, max_tokens=8 * 8192, batch_size=8,
+    cfg = TrainConfig.from_flat(out=str(tmp_path / "oom"), max_length=8192, max_tokens=8 * 8192, batch_size=8,
                       max_anchors=4096, max_steps=1, epochs=0, drafter_layers=1, progress=False, device="cuda")
     with pytest.raises(TrainError, match="out of memory.*--max-anchors \\(now 4096\\).*--max-tokens.*--batch-size"):
         train(cfg, target=target, items=items, handle_signals=False)
@@ -225,11 +223,12 @@ def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
     from dflash.train.trainer import attention_impl
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert attention_impl(TrainConfig(out=str(tmp_path)), cpu) == "sdpa"
-    assert attention_impl(TrainConfig(out=str(tmp_path)), cuda) == "flex"
-    assert attention_impl(TrainConfig(out=str(tmp_path), attention="sdpa"), cuda) == "sdpa"
+    config = TrainConfig.from_flat
+    assert attention_impl(config(out=str(tmp_path)), cpu) == "sdpa"
+    assert attention_impl(config(out=str(tmp_path)), cuda) == "flex"
+    assert attention_impl(config(out=str(tmp_path), attention="sdpa"), cuda) == "sdpa"
     with pytest.raises(ConfigError, match="--attention flex needs a GPU.*--attention sdpa"):
-        attention_impl(TrainConfig(out=str(tmp_path), attention="flex"), cpu)
-    assert attention_impl(TrainConfig(out=str(tmp_path)), cuda, head_dim=8) == "sdpa"  # too narrow for flex
+        attention_impl(config(out=str(tmp_path), attention="flex"), cpu)
+    assert attention_impl(config(out=str(tmp_path)), cuda, head_dim=8) == "sdpa"  # too narrow for flex
     with pytest.raises(ConfigError, match="head_dim >= 16.*8 wide"):
-        attention_impl(TrainConfig(out=str(tmp_path), attention="flex"), cuda, head_dim=8)
+        attention_impl(config(out=str(tmp_path), attention="flex"), cuda, head_dim=8)
