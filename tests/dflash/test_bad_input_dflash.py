@@ -1,20 +1,26 @@
 """Bad input and faults for `dflash-train` / `dflash-eval` on the tiny chat target: each case runs the real
 command line and asserts the exit code (dflash/errors.py: options 2, checkpoint 3, target 5, data 6,
-drafter 7), the key words of the message, no traceback, that the cheap checks fail before the target's
-weights load, and that --out holds nothing new but train.log (which then says why the run stopped).
+drafter 7, run directory in use 10), the key words of the message, no traceback, that the cheap checks
+fail before the target's weights load, and that --out holds nothing new but train.log (which then says
+why the run stopped) and the run's lock file; a refused run into a directory that holds another run
+leaves every file there as it was.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
+from common.fsutil import exclusive
 from dflash.cli import eval_main, train_main
+from dflash.train.rundir import RunDir
 from tests.support.bad_input import assert_clear_failure, snapshot
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
@@ -54,6 +60,20 @@ def point_latest_nowhere(out: Path) -> None:
     (out / "checkpoints" / "latest").write_text("step-00009999\n")
 
 
+def as_it_was(out: Path) -> None:
+    """The finished run, untouched."""
+
+
+def foreign_config(out: Path) -> None:
+    """A config.json that dflash-train did not write: --out points at a model directory."""
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 32}))
+
+
+def lock_held_by_another_run(out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    return exclusive(out, "dflash-train run", lock_name=RunDir(out).lock.name)
+
+
 @dataclass
 class Case:
     id: str
@@ -63,6 +83,8 @@ class Case:
     words: tuple[str, ...]
     cheap: bool = False  # must fail before the target's weights load
     resume_from: Callable[[Path], None] | None = None  # damage a copy of the finished run in tmp/out
+    held: Callable[[Path], object] | None = None  # a context (e.g. another run's lock) around the command
+    untouched: bool = False  # every file already in tmp/out keeps its content (train.log too)
 
 
 def train(**extra):
@@ -98,6 +120,17 @@ CASES = [
     Case("resume-damaged-state", train_main, train_flags("--resume"), 3, ("trainer_state.pt", "without --resume"),
          resume_from=damage_state),
     Case("bad-block-size", train_main, train_flags("--block-size", "0"), 2, ("block",), True),
+    Case("out-holds-a-run", train_main, train_flags(), 2, ("already holds a run", "latest checkpoint step-00000002",
+         "--resume", "--overwrite", "another --out"), True, resume_from=as_it_was, untouched=True),
+    Case("out-used-by-another-run", train_main, train_flags(), 10,
+         ("another dflash-train run is using", "is held by pid", "another directory"), True,
+         held=lock_held_by_another_run, untouched=True),
+    Case("resume-and-overwrite", train_main, train_flags("--resume", "--overwrite"), 2,
+         ("--resume continues", "--overwrite deletes it", "give one of them"), True, resume_from=as_it_was,
+         untouched=True),
+    Case("overwrite-a-model-dir", train_main, train_flags("--overwrite"), 2,
+         ("config.json that dflash-train did not write", "a directory of its own"), True,
+         resume_from=foreign_config, untouched=True),
     Case("eval-drafter-missing", eval_main, evaluate("--drafter", "runs/nope"), 7, ("runs/nope", "does not exist")),
     Case("eval-drafter-damaged", eval_main, lambda w, t: evaluate("--drafter", str(ckpt_dir(t / "out") / "drafter"))(w, t),
          7, ("model.safetensors is damaged",), resume_from=damage_weights),
@@ -107,20 +140,26 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, world, tmp_path, capsys):
+    out = tmp_path / "out"
     if case.resume_from:
         case.resume_from(copy_run(world, tmp_path))
-    before = snapshot(tmp_path / "out")
+    before = snapshot(out)
+    contents = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else {}
     argv = case.argv(world, tmp_path)
-    try:
-        code = case.prog(argv)
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
+    with case.held(out) if case.held else nullcontext():
+        try:
+            code = case.prog(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
     err = capsys.readouterr().err
     assert_clear_failure(code, case.code, err, case.words)
     if case.cheap:
         assert LOADED not in err, "the check ran only after the target's weights were loaded"
-    new = snapshot(tmp_path / "out") - before - {str(tmp_path / "out" / "train.log")}
+    allowed = {str(RunDir(out).lock)} | (set() if case.untouched else {str(out / "train.log")})
+    new = snapshot(out) - before - allowed
     assert not new, f"--out holds new files: {sorted(new)}"
+    if case.untouched:
+        assert {p: p.read_bytes() for p in contents} == contents, "a file in --out changed"
 
 
 def test_a_full_disk_while_checkpointing_is_a_checkpoint_error_in_train_log(world, tmp_path, monkeypatch, capsys):
