@@ -44,7 +44,7 @@ def copy_run(world, tmp: Path) -> Path:
 
 
 def ckpt_dir(out: Path) -> Path:
-    return out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    return RunDir(out).checkpoints / (RunDir(out).checkpoints / "latest").read_text().strip()
 
 
 def damage_weights(out: Path) -> None:
@@ -57,7 +57,7 @@ def damage_state(out: Path) -> None:
 
 
 def point_latest_nowhere(out: Path) -> None:
-    (out / "checkpoints" / "latest").write_text("step-00009999\n")
+    (RunDir(out).checkpoints / "latest").write_text("step-00009999\n")
 
 
 def as_it_was(out: Path) -> None:
@@ -66,7 +66,7 @@ def as_it_was(out: Path) -> None:
 
 def foreign_config(out: Path) -> None:
     """A config.json that dflash-train did not write: --out points at a model directory."""
-    (out / "config.json").write_text(json.dumps({"model_type": "qwen3", "hidden_size": 32}))
+    RunDir(out).config.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 32}))
 
 
 def lock_held_by_another_run(out: Path):
@@ -155,7 +155,7 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
     assert_clear_failure(code, case.code, err, case.words)
     if case.cheap:
         assert LOADED not in err, "the check ran only after the target's weights were loaded"
-    allowed = {str(RunDir(out).lock)} | (set() if case.untouched else {str(out / "train.log")})
+    allowed = {str(RunDir(out).lock)} | (set() if case.untouched else {str(RunDir(out).log)})
     new = snapshot(out) - before - allowed
     assert not new, f"--out holds new files: {sorted(new)}"
     if case.untouched:
@@ -173,6 +173,6 @@ def test_a_full_disk_while_checkpointing_is_a_checkpoint_error_in_train_log(worl
     code = train_main(train_args(world["target"], world["data"], out, max_steps=2, save_every=2))
     err = capsys.readouterr().err
     assert code == 3 and "No space left on device" in err and "Traceback" not in err
-    log = (out / "train.log").read_text()
+    log = RunDir(out).log.read_text()
     assert "stopped: writing checkpoint" in log and "No space left" in log
-    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in RunDir(out).checkpoints.iterdir() if p.name.startswith(".tmp-")]

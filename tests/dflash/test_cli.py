@@ -14,6 +14,7 @@ import pytest
 from dflash.cli import main, train_config, train_main
 from dflash.config import DEMO_DEFAULTS, OPTIONS, SECTIONS, ModelConfig, TrainConfig
 from dflash.errors import ConfigError
+from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ def test_demo_defaults_apply_only_without_target_and_data(tmp_path):
 
 def test_resume_reads_the_stored_config_and_flags_override_it(tmp_path):
     TrainConfig.from_flat(target="t", data="d.jsonl", out=str(tmp_path), block_size=8, lr=1e-3,
-                          overwrite=True).to_json(tmp_path / "config.json")
+                          overwrite=True).to_json(RunDir(tmp_path).config)
     cfg = _parse(["--out", str(tmp_path), "--resume", "--max-steps", "50"])
     assert (cfg.io.target, cfg.model.block_size, cfg.optim.lr, cfg.optim.max_steps, cfg.io.resume) == \
         ("t", 8, 1e-3, 50, True)
@@ -128,7 +129,7 @@ def test_eval_reports_tau_and_losslessness(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     assert train_main(train_args(target, data, out, max_steps=1)) == 0
     capsys.readouterr()
-    argv = ["--target", str(target), "--drafter", str(out / "drafter"), "--data", str(data), "--limit", "2",
+    argv = ["--target", str(target), "--drafter", str(RunDir(out).drafter), "--data", str(data), "--limit", "2",
             "--max-new-tokens", "6", "--device", "cpu", "--json"]
     assert main(["eval", *argv]) == 0
     results = json.loads(capsys.readouterr().out)
@@ -142,7 +143,7 @@ def test_eval_refuses_a_drafter_of_another_target(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     assert train_main(train_args(target, data, out, max_steps=1)) == 0
     other = save_chat_target(tmp_path / "other", num_layers=8)
-    assert main(["eval", "--target", str(other), "--drafter", str(out / "drafter"), "--data", str(data),
+    assert main(["eval", "--target", str(other), "--drafter", str(RunDir(out).drafter), "--data", str(data),
                  "--device", "cpu"]) == 7
     assert "trained for a different target: num_target_layers 4 != the target's 8 layers" in capsys.readouterr().err
 

@@ -74,11 +74,11 @@ def test_overwrite_starts_over_and_keeps_other_files(tiny, tmp_path):
     (out / ".overwrite-1234").mkdir()  # left by an --overwrite that was killed midway
     assert train_main(train_args(target, data, out, max_steps=1) + ["--overwrite"]) == 0
     assert [m["step"] for m in read_metrics(out)] == [1]  # a fresh metrics.jsonl, not appended to
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000001"]
+    assert sorted(p.name for p in RunDir(out).checkpoints.iterdir()) == ["latest", "step-00000001"]
     assert (out / "notes.txt").read_text() == "mine" and not (out / ".overwrite-1234").exists()
-    log = (out / "train.log").read_text()
+    log = RunDir(out).log.read_text()
     assert "step 3/3" not in log and "--overwrite: deleted the previous run's config.json" in log
-    assert json.loads((out / "config.json").read_text())["io"]["overwrite"] is True
+    assert json.loads(RunDir(out).config.read_text())["io"]["overwrite"] is True
     assert train_main(train_args(target, data, out, max_steps=2) + ["--resume"]) == 0  # and it continues
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 

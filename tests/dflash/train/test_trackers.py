@@ -40,7 +40,7 @@ def _event_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_holds_the_training_and_evaluation_scalars(tracked_run):
-    tags = _event_scalars(tracked_run / "tensorboard")
+    tags = _event_scalars(RunDir(tracked_run).tensorboard)
     for name in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/acc",
                  "train/tau_est", "train/acc_per_pos/1", "train/accept_per_pos/3"):
         assert [step for step, _ in tags[name]] == [1, 2, 3, 4], name
@@ -59,12 +59,12 @@ def test_metrics_jsonl_has_eval_records(tracked_run):
         assert r["sequences"] == 6 and r["tau_prompts"] == 2
         assert len(r["accept_per_pos"]) == len(r["acc_per_pos"]) == 3  # block size 4
         assert 1.0 <= r["tau_est"] <= 4.0 and 1.0 <= r["tau"] <= 4.0 and 1.0 <= r["tau_replay"] <= 4.0
-    assert "tensorboard" in json.loads((tracked_run / "config.json").read_text())["watch"]["report_to"]
+    assert "tensorboard" in json.loads(RunDir(tracked_run).config.read_text())["watch"]["report_to"]
 
 
 def test_only_rank_0_opens_trackers(tmp_path):
     assert open_trackers(["tensorboard"], RunDir(tmp_path), {}, is_main=False).trackers == []
-    assert not (tmp_path / "tensorboard").exists()
+    assert not RunDir(tmp_path).tensorboard.exists()
 
 
 @pytest.mark.parametrize("name", ["wandb", "trackio"])
