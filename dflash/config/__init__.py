@@ -75,8 +75,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
-            if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"TrainConfig.{name} must be a {cls.__name__}, not {type(getattr(self, name)).__name__}")
+            section = getattr(self, name)
+            if not isinstance(section, cls):
+                raise TypeError(f"TrainConfig.{name} must be a {cls.__name__}, not {type(section).__name__}")
         if self.optim.max_tokens < self.model.max_length:
             raise ConfigError(f"--max-tokens {self.optim.max_tokens} is below --max-length {self.model.max_length}: "
                               "a full-length sequence would fit in no micro-batch. Raise --max-tokens.")

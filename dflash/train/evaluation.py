@@ -91,8 +91,8 @@ def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: d
     drafter.eval()
     totals = None
     lengths = [len(it["input_ids"]) for it in items]
-    bs = config.model.block_size
-    for batch_ids in make_batches(lengths, config.optim.max_tokens, config.optim.batch_size, config.optim.seed, epoch=0):
+    bs, optim = config.model.block_size, config.optim
+    for batch_ids in make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
         mine = distributed.shard(batch_ids, d)
         if not mine:
             continue

@@ -160,6 +160,9 @@ class RunDir:
                     removed = self.prepare(resume=resume, overwrite=overwrite)
                 except DflashError as exc:
                     refused = exc
+                except OSError as exc:  # --out is a file, or not writable
+                    refused = ConfigError(f"--out {self.root} cannot hold a run: {exc}. Give a directory "
+                                          "this user can write to.")
             if distributed.any_rank(d, refused is not None):
                 raise refused or DflashError(f"rank 0 could not start the run in {self.root}; its message says why.")
             _HELD.add(key)

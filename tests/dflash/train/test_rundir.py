@@ -118,6 +118,13 @@ def test_a_claim_inside_a_claim_of_the_same_dir_is_free(tmp_path):
         pass
 
 
+def test_an_out_that_is_a_file_is_refused_by_name(tmp_path):
+    (tmp_path / "out").write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot hold a run.*a directory"):
+        with RunDir(tmp_path / "out").claim(_dist(0)):
+            pass
+
+
 def test_overwrite_never_takes_a_directory_that_is_not_a_run(tmp_path):
     run = RunDir(tmp_path / "model")
     run.root.mkdir()
