@@ -37,7 +37,7 @@ def test_help_lists_every_option_with_its_default_in_its_sections_group():
     text = " ".join(run.stdout.split())  # argparse wraps lines
     headings = [text.index(f"{cls.TITLE}:") for cls in SECTIONS.values()]
     assert headings == sorted(headings)  # one group per section, in the sections' order
-    for name, (section, f, _type) in OPTIONS.items():
+    for section, f, _type in OPTIONS.values():
         flag = "--" + f.name.replace("_", "-")
         position = headings[0] + re.search(re.escape(flag) + "[ ,]", text[headings[0]:]).start()
         own = list(SECTIONS).index(section)

@@ -43,7 +43,8 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({**RUN, "lr": 3e-4, "seed": 5, "epochs": 2}))
     cfg = _resolve("--config", str(path), "--lr", "1e-3", "--epochs", "3")
-    assert (cfg.optim.lr, cfg.optim.epochs, cfg.optim.seed, cfg.model.max_length) == (1e-3, 3, 5, ModelConfig.max_length)
+    assert (cfg.optim.lr, cfg.optim.epochs, cfg.optim.seed, cfg.model.max_length) == \
+        (1e-3, 3, 5, ModelConfig.max_length)
 
 
 def test_demo_defaults_sit_under_the_file(tmp_path):
