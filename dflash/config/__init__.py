@@ -177,7 +177,7 @@ def _parse_int_list(text: str) -> list[int]:
     try:
         return [int(p) for p in text.replace(" ", "").split(",") if p]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers (e.g. 1,9,17)")
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers (e.g. 1,9,17)") from None
 
 
 def _converter(tp):

@@ -23,6 +23,7 @@ it (--overwrite: the files above are deleted first; files the run did not write 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from contextlib import ExitStack, contextmanager
@@ -86,8 +87,6 @@ class RunDir:
 
     # --- a run's claim on the directory --------------------------------------------------------------
     def _foreign_config(self) -> bool:
-        import json
-
         try:
             return not is_run_config(json.loads(self.config.read_text()))
         except FileNotFoundError:
