@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import os
 import types
@@ -32,34 +31,12 @@ from common.fsutil import atomic_write
 
 from dflash.config.sections import (SECTIONS, TRACKERS, DemoConfig, IOConfig, ModelConfig, OptimConfig,
                                     RuntimeConfig, WatchConfig, check_report_to, flag)
+from dflash.config.file import read_config_file
+from dflash.config.options import OPTIONS, flatten, unknown_option
 from dflash.errors import ConfigError
 
 __all__ = ["TrainConfig", "IOConfig", "ModelConfig", "OptimConfig", "RuntimeConfig", "WatchConfig", "DemoConfig",
-           "SECTIONS", "TRACKERS", "DEMO_DEFAULTS", "check_report_to", "add_arguments", "from_args"]
-
-
-def _options() -> dict[str, tuple[str, dataclasses.Field, object]]:
-    """option name -> (section, field, type), in --help order."""
-    out = {}
-    for section, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            assert f.name not in out and f.name not in SECTIONS, f"option {f.name} is not unique"
-            out[f.name] = (section, f, hints[f.name])
-    return out
-
-
-OPTIONS = _options()
-
-
-def unknown_option(key: str, where: str, names=None) -> ConfigError:
-    """The error for a key that names no option, with the closest option spelled as the key is
-    (`block-sise` -> `block-size`, `block_sise` -> `block_size`)."""
-    names = list(OPTIONS if names is None else names)
-    spell = flag if "-" in str(key) else (lambda n: n)
-    hint = difflib.get_close_matches(spell(str(key).split(".")[-1]), [spell(n) for n in names], n=1)
-    return ConfigError(f"{where}: unknown option '{key}'."
-                       + (f" Did you mean '{hint[0]}'?" if hint else " `dflash-train --help` lists them."))
+           "SECTIONS", "TRACKERS", "OPTIONS", "DEMO_DEFAULTS", "check_report_to", "add_arguments", "from_args"]
 
 
 @dataclass(frozen=True)
@@ -134,31 +111,6 @@ class TrainConfig:
         return cls.from_dict(data, source=str(path))
 
 
-def flatten(data: dict, where: str, convert=None) -> dict:
-    """{option: value} of a mapping whose keys are options, or sections holding options (keys may use
-    dashes: `block-size`). An unknown key, or an option under the wrong section, fails naming the fix.
-    `convert(option, key as written, value)` may check and convert each value."""
-    convert = convert or (lambda _option, _key, value: value)
-    flat: dict = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name in SECTIONS and isinstance(value, dict):
-            for inner, inner_value in value.items():
-                option = str(inner).replace("-", "_")
-                if option not in OPTIONS:
-                    section_options = [n for n, (s, _f, _t) in OPTIONS.items() if s == name]
-                    raise unknown_option(f"{key}.{inner}", where, section_options + list(OPTIONS))
-                if OPTIONS[option][0] != name:
-                    raise ConfigError(f"{where}: '{inner}' belongs to the [{OPTIONS[option][0]}] section, not "
-                                      f"[{key}]; move it there or write it without a section.")
-                flat[option] = convert(option, f"{key}.{inner}", inner_value)
-        elif name in OPTIONS:
-            flat[name] = convert(name, key, value)
-        else:
-            raise unknown_option(key, where)
-    return flat
-
-
 def is_run_config(data: object) -> bool:
     """Whether a parsed config.json is one that dflash-train wrote (nested, or flat as older runs did)."""
     return isinstance(data, dict) and (isinstance(data.get("model"), dict) and "block_size" in data["model"]
@@ -230,8 +182,6 @@ def from_args(ns: argparse.Namespace, read_stored=None) -> TrainConfig:
     """
     given = {name: getattr(ns, name) for name in OPTIONS if hasattr(ns, name)}
     if getattr(ns, "config", None):
-        from dflash.config.file import read_config_file
-
         given = {**read_config_file(ns.config), **given}
     values: dict = {}
     if "target" not in given and "data" not in given:

@@ -26,6 +26,7 @@ import types
 import typing
 from pathlib import Path
 
+from dflash.config.options import OPTIONS, flatten
 from dflash.errors import ConfigError
 
 FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON", ".toml": "TOML"}
@@ -97,8 +98,6 @@ def _convert(value, tp, where: str):
 
 def read_config_file(path) -> dict:
     """{option name: value} of the options set in `path`, each converted to its option's type."""
-    from dflash.config import OPTIONS, flatten
-
     path = Path(path)
     data = _parse(path)
     if not isinstance(data, dict):
