@@ -161,7 +161,8 @@ def literal_assignment(wheel: Path, path: str, name: str):
     with zipfile.ZipFile(wheel) as z:
         tree = ast.parse(z.read(path).decode())
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, ast.AnnAssign) else [])
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             return ast.literal_eval(node.value)
     raise LookupError(f"{path} in {Path(wheel).name} assigns no literal {name}")
