@@ -491,6 +491,11 @@ def check_fits_target(config: DrafterConfig, target, where: str = "the drafter")
     if config.mask_token_id >= target.vocab_size:
         problems.append(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary "
                         f"(0..{target.vocab_size - 1})")
+    from dflash.io.engines import mask_token_problem
+
+    if getattr(target, "tokenizer", None) is not None and (problem := mask_token_problem(target.tokenizer,
+                                                                                          config.mask_token_id)):
+        problems.append(problem)
     fingerprint = getattr(target, "fingerprint", None)
     if not problems and fingerprint and config.target_fingerprint and config.target_fingerprint != fingerprint:
         problems.append(f"its target_fingerprint {config.target_fingerprint} != the target's {fingerprint} "

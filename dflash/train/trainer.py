@@ -324,6 +324,9 @@ def drafter_config(config: TrainConfig, target):
     from dflash.io.drafter import check_fits_target, read_drafter_config
     from dflash.model.drafter import FULL, SLIDING, DrafterConfig
 
+    from dflash.io.engines import check_servable
+
+    check_servable(target.layer_ids, target.num_layers, target.tokenizer, target.mask_token_id)
     if not config.init_drafter:
         n, window = config.drafter_layers, config.sliding_window
         return DrafterConfig.from_target(target, num_hidden_layers=n, block_size=config.block_size,
