@@ -144,13 +144,19 @@ class EngineModules(importlib.abc.MetaPathFinder):
 
 
 def real_function(wheel: Path, path: str, name: str, namespace: dict | None = None):
-    """Top-level function `name` of `path` inside `wheel`, executed from its source as shipped."""
+    """Top-level function `name` (or method "Class.name", as a plain function of `self`) of `path` inside
+    `wheel`, executed from its source as shipped; `namespace` holds the globals it uses."""
     with zipfile.ZipFile(wheel) as z:
         source = z.read(path).decode()
-    tree = ast.parse(source)
-    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    body = ast.parse(source).body
+    owner, _, name = name.rpartition(".")
+    if owner:
+        cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == owner), None)
+        body = cls.body if cls else []
+    node = next((n for n in body if isinstance(n, ast.FunctionDef) and n.name == name), None)
     if node is None:
-        raise LookupError(f"{path} in {Path(wheel).name} has no function {name}")
+        raise LookupError(f"{path} in {Path(wheel).name} has no function {owner + '.' if owner else ''}{name}")
+    node.decorator_list = []
     namespace = {"__name__": f"engine_function.{name}", **(namespace or {})}
     exec(compile(ast.Module(body=[node], type_ignores=[]), f"{Path(wheel).name}/{path}", "exec"), namespace)
     return namespace[name]
@@ -195,6 +201,10 @@ class Loaded:
 
 
 LOADED = Loaded()
+
+
+def reset_loaded() -> None:
+    LOADED.by_param.clear()
 
 
 def _param(*shape) -> nn.Parameter:
@@ -357,3 +367,77 @@ def check_all_loaded(model: nn.Module, skip=()) -> list[str]:
 
 def logger_double(name=None):
     return logging.getLogger(name or "engine")
+
+
+# --- the two engines -----------------------------------------------------------------------------------------
+def vllm(wheel: Path, current: dict) -> EngineModules:
+    """vLLM's drafter modules, real: the model (qwen3_dflash.py, with qwen2.py's MLP), the weight loader and
+    mapper (models/utils.py), the draft config wrapper (configs/eagle.py), the tapped-layer rule
+    (eagle3_utils.py). `current["config"]` answers get_current_vllm_config()."""
+    from types import SimpleNamespace
+
+    rope_theta = real_function(wheel, "vllm/transformers_utils/config.py", "set_default_rope_theta")
+
+    def hf_file_bytes(name, model, revision=None):  # a local drafter directory: the file or nothing
+        path = Path(model) / name
+        return path.read_bytes() if path.is_file() else None
+
+    linear = {**layer_doubles(), "UnquantizedLinearMethod": type("UnquantizedLinearMethod", (), {})}
+    no_quantization = type("VllmConfig", (), {"get_quantization_config": staticmethod(lambda model, load: None)})
+    doubles = {
+        "vllm.logger": {"init_logger": logger_double},
+        "vllm.compilation.decorators": {"support_torch_compile": identity_decorator},
+        "vllm.distributed": {"get_tensor_model_parallel_world_size": lambda: 1,
+                             "get_tensor_model_parallel_rank": lambda: 0},
+        "vllm.model_executor.layers.linear": linear,
+        "vllm.model_executor.layers.layernorm": {"RMSNorm": RMSNorm},
+        "vllm.model_executor.layers.vocab_parallel_embedding": {"VocabParallelEmbedding": Embedding,
+                                                                "ParallelLMHead": Embedding},
+        "vllm.model_executor.layers.rotary_embedding": {"get_rope": recorded},
+        "vllm.model_executor.layers.attention": {"Attention": Recorded},
+        "vllm.model_executor.layers.activation": {"SiluAndMul": Recorded},
+        "vllm.model_executor.layers.logits_processor": {"LogitsProcessor": Recorded},
+        "vllm.model_executor.model_loader.weight_utils": {"default_weight_loader": default_weight_loader,
+                                                          "make_attention_sink": no_op},
+        "vllm.model_executor.model_loader.reload": {"support_quantized_model_reload_from_hp_weights":
+                                                    identity_decorator},
+        "vllm.utils.torch_utils": {"direct_register_custom_op": no_op},
+        "vllm.config": {"get_current_vllm_config": lambda: current["config"],
+                        "get_current_vllm_config_or_none": lambda: current.get("config"),
+                        "VllmConfig": no_quantization},
+        "vllm.platforms": {"current_platform": SimpleNamespace(is_rocm=lambda: False, is_cpu=lambda: False)},
+        "vllm.transformers_utils.config": {"set_default_rope_theta": rope_theta},
+        "vllm.transformers_utils.repo_utils": {"get_hf_file_bytes": hf_file_bytes},
+        "vllm.v1.attention.backend": {"AttentionType": AttentionType},
+        "vllm.model_executor.models.interfaces": {"supports_any_eagle": lambda model: True},
+        "vllm.model_executor.models.qwen3": {"Qwen3ForCausalLM": nn.Module},  # a base DFlash's __init__ bypasses
+    }
+    real = ["vllm.model_executor.models.qwen3_dflash", "vllm.model_executor.models.qwen2",
+            "vllm.model_executor.models.utils", "vllm.transformers_utils.configs.eagle",
+            "vllm.transformers_utils.utils", "vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils"]
+    return EngineModules(wheel, "vllm", real, doubles)
+
+
+def sglang(wheel: Path) -> EngineModules:
+    """SGLang's drafter modules, real: the model and its load_weights (models/dflash.py) and the draft config
+    parsing (speculative/dflash_utils.py)."""
+    from types import SimpleNamespace
+
+    rope_config = real_function(wheel, "sglang/srt/utils/hf_transformers/common.py", "get_rope_config")
+    doubles = {
+        "sglang.srt.configs.draft_parallel": {"DraftParallelSpec": SimpleNamespace},  # msgspec: parallel layout
+        "sglang.srt.layers.linear": layer_doubles(),
+        "sglang.srt.layers.layernorm": {"RMSNorm": RMSNorm, "GemmaRMSNorm": GemmaRMSNorm},
+        "sglang.srt.layers.activation": {"SiluAndMul": Recorded},
+        "sglang.srt.layers.radix_attention": {"RadixAttention": Recorded, "AttentionType": AttentionType},
+        "sglang.srt.layers.rotary_embedding": {"get_rope": recorded},
+        "sglang.srt.layers.vocab_parallel_embedding": {"VocabParallelEmbedding": Embedding},
+        "sglang.srt.model_loader.weight_utils": {"default_weight_loader": default_weight_loader},
+        "sglang.srt.runtime_context": {"get_parallel": lambda: SimpleNamespace(tp_size=1, tp_rank=0),
+                                       "get_spec": lambda: SimpleNamespace()},
+        "sglang.srt.utils": {"is_npu": lambda: False, "set_weight_attrs": no_op},
+        "sglang.srt.utils.common": {"get_compiler_backend": lambda: "inductor"},
+        "sglang.srt.utils.hf_transformers_utils": {"get_rope_config": rope_config},
+    }
+    return EngineModules(wheel, "sglang", ["sglang.srt.models.dflash", "sglang.srt.speculative.dflash_utils"],
+                         doubles)
