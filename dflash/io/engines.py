@@ -32,7 +32,8 @@ def last_layer_problem(layer_ids, num_layers: int) -> str | None:
 
 def mask_token_problem(tokenizer, mask_token_id: int) -> str | None:
     """Why SGLang would refuse `mask_token_id` with this target tokenizer, or None."""
-    vocab_id = tokenizer.get_vocab().get(SGLANG_MASK_TOKEN) if tokenizer is not None else None
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab_id = get_vocab().get(SGLANG_MASK_TOKEN) if callable(get_vocab) else None
     if vocab_id is None or int(vocab_id) == int(mask_token_id):
         return None
     return (f"mask token id {mask_token_id} is not the id of the target tokenizer's {SGLANG_MASK_TOKEN} ({vocab_id}): "
