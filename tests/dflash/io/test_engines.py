@@ -86,3 +86,15 @@ def test_a_drafter_with_another_mask_id_than_the_tokenizers_mask_is_refused(tmp_
     config.mask_token_id = 7
     with pytest.raises(DrafterError, match="mask token id 7 is not the id of the target tokenizer's <.MASK.> .3."):
         check_fits_target(config, target)
+
+
+def test_the_docs_show_the_pinned_engine_versions():
+    from pathlib import Path
+
+    from tests.support.serving_wheels import pins
+
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "evaluation-and-serving.md").read_text()
+    section = docs[docs.index("### Versions checked"):]
+    for pin in pins().values():
+        assert f"| {pin.name}" in section and f"| {pin.version} |" in section, pin
+    assert "vLLM 0.34.0" in section and "SGLang 0.5.23" in section

@@ -274,3 +274,46 @@ def test_the_reference_spec_generate_with_a_trained_drafter_is_lossless(trained,
     out = model.spec_generate(target=target, input_ids=prompt, max_new_tokens=10, stop_token_ids=None)
     greedy = target.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=stop)
     assert out[:, :greedy.shape[1]].tolist() == greedy.tolist()
+
+
+# --- what the docs and the key lists cite ------------------------------------------------------------------------
+def _citations(text: str):
+    """(path, [identifiers]) for each "path/to/file.py (name, name: note)" in a citation string."""
+    import re
+
+    for m in re.finditer(r"((?:vllm|sglang)/[\w/]+\.py)(?: \(([^)]*)\))?", text):
+        names = re.findall(r"\b_?[A-Za-z]\w*(?=[,;:)]|$)", m[2] or "")
+        yield m[1], [n for n in names if "_" in n or n[0].isupper()]
+
+
+def test_every_engine_file_and_function_the_key_lists_cite_is_in_the_pinned_release():
+    import zipfile
+
+    from tests.dflash.io.test_drafter_io import ENGINE_TENSORS, OPTIONAL_KEYS, SGLANG_KEYS, VLLM_KEYS
+
+    cited = [*VLLM_KEYS.values(), *SGLANG_KEYS.values(), *(r for _, r in OPTIONAL_KEYS.values()),
+             *ENGINE_TENSORS.values()]
+    with zipfile.ZipFile(wheel("vllm")) as v, zipfile.ZipFile(wheel("sglang")) as s:
+        files = {**{n: v for n in v.namelist()}, **{n: s for n in s.namelist()}}
+        checked = 0
+        for text in cited:
+            for path, names in _citations(text.replace("vllm qwen3_dflash.py", "vllm/model_executor/models/"
+                                                       "qwen3_dflash.py")):
+                assert path in files, f"{path} (cited: {text}) is not in the pinned wheels"
+                source = files[path].read(path).decode()
+                for name in names:
+                    assert name in source, f"{name} is not in {path} (cited: {text})"
+                checked += 1
+    assert checked > 30
+
+
+def test_every_vllm_environment_variable_the_docs_name_exists_in_the_pinned_release():
+    import re
+    import zipfile
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "evaluation-and-serving.md").read_text()
+    with zipfile.ZipFile(wheel("vllm")) as v:
+        envs = v.read("vllm/envs.py").decode()
+    for name in set(re.findall(r"\bVLLM_[A-Z0-9_]+", docs)):
+        assert f'"{name}"' in envs, f"docs name {name}, which vllm {wheel('vllm').name} does not read"
