@@ -38,9 +38,8 @@ def check_target_cheaply(config) -> None:
         return
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash.model.target import _resolve_mask_token, check_layer_ids
-
     from dflash.io.engines import check_servable
+    from dflash.model.target import _resolve_mask_token, check_layer_ids
 
     text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     if config.target_layer_ids is not None:
