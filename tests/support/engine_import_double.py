@@ -188,23 +188,18 @@ def no_op(*args, **kwargs):
 
 # --- layer doubles -------------------------------------------------------------------------------------------
 class Loaded:
-    """What the weight loaders filled: parameter -> set of shard ids (None for a whole tensor)."""
+    """What the weight loaders filled, kept on each parameter (`loaded_shards`: shard ids, None for a
+    whole tensor), so nothing outlives the model it describes."""
 
-    def __init__(self):
-        self.by_param: dict[int, set] = {}
-
-    def mark(self, param, shard) -> None:
-        shards = self.by_param.setdefault(id(param), set())
+    @staticmethod
+    def mark(param, shard) -> None:
+        shards = param.__dict__.setdefault("loaded_shards", set())
         if shard in shards:
             raise AssertionError(f"shard {shard!r} of a parameter {tuple(param.shape)} was loaded twice")
         shards.add(shard)
 
 
 LOADED = Loaded()
-
-
-def reset_loaded() -> None:
-    LOADED.by_param.clear()
 
 
 def _param(*shape) -> nn.Parameter:
@@ -359,7 +354,7 @@ def check_all_loaded(model: nn.Module, skip=()) -> list[str]:
         if any(name.startswith(s) for s in skip):
             continue
         expected = getattr(param, "expected_shards", {None})
-        got = LOADED.by_param.get(id(param), set())
+        got = getattr(param, "loaded_shards", set())
         if got != expected:
             missing.append(f"{name} (loaded {sorted(map(str, got)) or 'nothing'} of {sorted(map(str, expected))})")
     return missing

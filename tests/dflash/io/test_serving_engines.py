@@ -77,7 +77,6 @@ def test_vllm_builds_the_drafter_from_its_config_and_loads_every_tensor(trained,
     registry = double.literal_assignment(w, "vllm/model_executor/models/registry.py", "_SPECULATIVE_DECODING_MODELS")
     assert registry["DFlashDraftModel"] == ("qwen3_dflash", "DFlashQwen3ForCausalLM")
     current = {}
-    double.reset_loaded()
     with double.vllm(w, current) as engine:
         eagle = engine.load("vllm.transformers_utils.configs.eagle")
         hf = eagle.EAGLEConfig(AutoConfig.from_pretrained(directory), method="dflash", model_type="eagle")
@@ -139,7 +138,6 @@ def test_sglang_builds_the_drafter_from_its_config_and_loads_every_tensor(traine
 
     directory = trained[kind]
     ours = read_drafter_config(directory)
-    double.reset_loaded()
     with double.sglang(wheel("sglang")) as engine:
         dflash = engine.load("sglang.srt.models.dflash")
         utils = sys.modules["sglang.srt.speculative.dflash_utils"]
@@ -181,7 +179,6 @@ def test_sglang_skips_a_tensor_it_cannot_place_and_the_tier_catches_it(trained):
     from transformers import AutoConfig
 
     directory = trained["full"]
-    double.reset_loaded()
     with double.sglang(wheel("sglang")) as engine:
         model = engine.load("sglang.srt.models.dflash").DFlashDraftModel(AutoConfig.from_pretrained(directory))
         tensors = _tensors(directory)
