@@ -4,9 +4,10 @@ released wheels (tests/data/serving/engine-pins.txt), and by the reference DFlas
 What runs, unchanged, from the wheels: vLLM's draft config wrapper (EAGLEConfig), model registry entry,
 tapped-layer rule (get_eagle3_aux_layers_from_config), mask-id lookup, the DFlash model's construction
 from the config (DFlashQwen3ForCausalLM, its decoder layers' attention resolution, Qwen2MLP) and its
-load_weights through the WeightsMapper and AutoWeightsLoader; SGLang's parse_dflash_draft_config, its
-get_dflash_layer_types and get_dflash_attention_sliding_window_size, the DFlashDraftModel's construction and load_weights, the mask
-token resolution of its DFlash worker and its Qwen3.5 tapped-layer rule; the reference package's
+load_weights through the WeightsMapper and AutoWeightsLoader; SGLang's parse_dflash_draft_config,
+get_dflash_layer_types and get_dflash_attention_sliding_window_size, the DFlashDraftModel's construction
+and load_weights, the mask token resolution of its DFlash worker and its Qwen3.5 tapped-layer rule; the
+reference package's
 DFlashDraftModel, forward and spec_generate. What does not: GPU layers, kernels and distributed state,
 which tests/support/engine_import_double.py stands in for with layers of the same parameter shapes whose
 weight loaders check and record every shard. Any missing key, unmapped tensor, parameter left unloaded
