@@ -122,7 +122,7 @@ test: venv lint engine  ## lint, then every test tier this machine can run
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: venv  ## unit tests only (no Docker, no compiles)
-	$(PY) -m pytest -m "not docker and not nvcc and not lxc and not ssh and not gpu and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not docker and not nvcc and not lxc and not ssh and not gpu and not slow and not serving" $(PYTEST_ARGS)
 
 clean:  ## remove build outputs (keeps the venv)
 	rm -rf dist build logs

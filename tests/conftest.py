@@ -1,10 +1,10 @@
 """Shared fixtures and the tier rules.
 
-Tiers are pytest markers (pyproject.toml): docker, nvcc, lxc, ssh, registry, gpu, slow. A test of a
-tier whose tool is missing skips with the reason and the command that installs it, except where
-DFLASH_REQUIRE names the tier (CI sets DFLASH_REQUIRE=docker,nvcc,lxc,ssh,registry): there a missing tool
-fails the run instead of hiding it. The tools some tests need beyond their tier's own (skopeo, umoci,
-zstd, ...) follow the same rule through `need_tools`.
+Tiers are pytest markers (pyproject.toml): docker, nvcc, lxc, ssh, registry, gpu, serving, slow. A test
+of a tier whose tool is missing skips with the reason and the command that installs it, except where
+DFLASH_REQUIRE names the tier (CI sets DFLASH_REQUIRE=docker,nvcc,lxc,ssh,registry,serving): there a
+missing tool fails the run instead of hiding it. The tools some tests need beyond their tier's own
+(skopeo, umoci, zstd, ...) follow the same rule through `need_tools`.
 
 The heavy artifacts (the cu130-sm120 wheel and the dflash-train image) are built once per run by the
 session fixtures below and shared by every test that needs them.
@@ -47,6 +47,15 @@ def _available(tier: str) -> tuple[bool, str]:
             "needs OpenSSH's sshd (apt-get install openssh-server)"
     if tier == "registry":
         return Path("/usr/bin/docker-registry").exists(), "needs Debian's docker-registry (apt install docker-registry)"
+    if tier == "serving":
+        from tests.support import serving_wheels
+
+        try:
+            serving_wheels.all_wheels()
+        except (RuntimeError, OSError) as exc:
+            return False, (f"the pinned engine wheels cannot be fetched ({exc}); fetch them with "
+                           f"`{serving_wheels.FETCH_COMMAND}` (PyPI access needed once)")
+        return True, ""
     if tier == "gpu":
         try:
             import torch
@@ -75,7 +84,7 @@ def need_tools(*tools: str) -> None:
 
 
 def pytest_runtest_setup(item):
-    for tier in ("docker", "nvcc", "lxc", "ssh", "registry", "gpu"):
+    for tier in ("docker", "nvcc", "lxc", "ssh", "registry", "gpu", "serving"):
         if item.get_closest_marker(tier) is None:
             continue
         if tier not in _cache:

@@ -3,11 +3,14 @@
     DIR/config.json          Qwen3 keys + DFlash keys (below); AutoConfig reads it as a Qwen3Config
     DIR/model.safetensors    the drafter's tensors, bf16 by default, names without a "model." prefix
                              (a sharded model.safetensors.index.json + shards is read as well)
+    DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/io/remote_code.py) that config.json's
+                             auto_map names: AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it
 
 config.json, as `reference_config` writes it (one key per DrafterConfig field, except the two that nest):
 
     model_type "qwen3", architectures ["DFlashDraftModel"]        vLLM registry.py maps the architecture
                                                                   to qwen3_dflash; SGLang models/dflash.py
+    auto_map {"AutoModel": "modeling_dflash.DFlashDraftModel"}   transformers' trust_remote_code path
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
     hidden_act "silu", rms_norm_eps, attention_bias false, max_position_embeddings, vocab_size,
     rope_theta + rope_parameters {rope_theta, rope_type "default"}    both: transformers 5 reads the
@@ -16,7 +19,8 @@ config.json, as `reference_config` writes it (one key per DrafterConfig field, e
                                                                   unless use_sliding_window is true
     block_size, num_target_layers
     dflash_config {target_layer_ids, mask_token_id}              id l = output of target decoder layer l,
-                                                                  i.e. HF hidden_states[l + 1]
+                                                                  i.e. HF hidden_states[l + 1] for l < L-1
+                                                                  (dflash/io/engines.py: L-1 is refused)
     dtype, tie_word_embeddings false, use_cache, attention_dropout, initializer_range
     target_fingerprint                                           this project only; engines ignore it
 
@@ -26,7 +30,8 @@ layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.{q,k}_norm, layers.N.mlp.{
 No embedding and no LM head: the target's are used.
 
 Reading checks everything before a weight is loaded: the config (model type, architecture, DFlash keys,
-features this drafter does not implement), then the tensor names and shapes from the safetensors
+and every other key: `unsupported_keys` refuses, by name, an unknown key and one whose value makes an
+engine compute something else), then the tensor names and shapes from the safetensors
 header, then (`check_fits_target`) the target. Every failure is a DrafterError naming the problem and
 the fix. (`dflash.drafter_legacy` converts the project's older "dflash-drafter/1" directories.)
 """
@@ -57,9 +62,122 @@ LEGACY_FORMAT = "dflash-drafter/1"  # the project's own layout before this one
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
-# Keys inside dflash_config that this project implements; any other one changes the drafter's math
-# (attention sinks, causal overrides, projectors: vLLM qwen3_dflash.py, SGLang dflash_utils.py).
+MODEL_FILE = "modeling_dflash.py"  # dflash/io/remote_code.py, for AutoModel(..., trust_remote_code=True)
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+
+# --- what a config.json may say --------------------------------------------------------------------
+# Reading is strict: every key of a drafter's config.json is one this project implements (_READ), one
+# that changes nothing the drafter computes (_INERT), or one that changes what vLLM, SGLang or the
+# reference DFlashDraftModel compute; such a key is accepted only at the value that computes what this
+# project's drafter does (_SEMANTIC, _DFLASH_SEMANTIC). Anything else is refused, named.
+_READ = {
+    "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta",
+    "rope_parameters", "rope_scaling", "max_position_embeddings", "vocab_size", "layer_types", "sliding_window",
+    "use_sliding_window", "max_window_layers", "block_size", "num_target_layers", "dflash_config",
+    "initializer_range", "target_fingerprint", "eagle_aux_hidden_state_layer_ids", "attention_bias", "format",
+}
+_INERT = {  # transformers' bookkeeping, token ids of a tokenizer the drafter has none of, no-LM-head options
+    "auto_map", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache", "attention_dropout",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "return_dict", "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_encoder_decoder",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "task_specific_params", "use_bfloat16",
+}
+
+
+def _one_of(*values):
+    return lambda value, data: value in values
+
+
+def _absent_or(key):
+    return lambda value, data: value is None or value == data.get(key)
+
+
+# key -> (does the value compute what this project computes?, what the key changes and where).
+_SEMANTIC = {
+    "is_neox_style": (_one_of(None, True), "vLLM's RoPE layout (qwen3_dflash.py; false = interleaved pairs)"),
+    "rope_is_neox_style": (_one_of(None, True), "SGLang's RoPE layout (models/dflash.py)"),
+    "partial_rotary_factor": (_one_of(None, 1, 1.0), "how many head dims SGLang rotates (models/dflash.py)"),
+    "use_gemma_norm": (_one_of(None, False), "SGLang's norms: Gemma's (1 + weight) RMSNorm (models/dflash.py)"),
+    "is_causal": (_one_of(None), "causality of every layer in vLLM, SGLang and the reference model"),
+    "logit_scale": (_one_of(None, 1, 1.0), "vLLM's logits scale (qwen3_dflash.py LogitsProcessor)"),
+    "draft_vocab_size": (_absent_or("vocab_size"), "vLLM's draft vocabulary and draft-to-target id map"),
+    "target_hidden_size": (_absent_or("hidden_size"), "the width of the fc input in vLLM (qwen3_dflash.py)"),
+    "has_own_lm_head": (_one_of(None, False), "whether vLLM uses a drafter LM head instead of the target's"),
+    "has_lm_head": (_one_of(None, False), "SGLang's drafter-owned LM head (Nemotron 3.5 layout)"),
+    "has_embed_tokens": (_one_of(None, False), "SGLang's drafter-owned embedding (Nemotron 3.5 layout)"),
+    "use_aux_hidden_state": (_one_of(None, True), "whether vLLM builds fc over tapped target states at all"),
+    "add_swa_attention_sink_bias": (_one_of(None, False), "per-head attention sinks in vLLM"),
+    "eagle_config": (_one_of(None, {}), "vLLM merges it into dflash_config (qwen3_dflash.py)"),
+    "quantization_config": (_one_of(None), "quantized drafter weights, which this project does not read"),
+    "mask_token": (_one_of(None, "<|MASK|>"), "the token SGLang resolves the mask id against (dflash_utils.py)"),
+    "input_embedding_scale": (_one_of(None, 1, 1.0), "the reference model's scale of block embeddings"),
+    "output_multiplier": (_one_of(None, 1, 1.0), "the reference model's logits multiplier"),
+    "final_logit_softcapping": (_one_of(None, 0, 0.0), "the reference model's logit soft-capping"),
+    "target_layer_ids": (lambda v, d: v is None or v == (d.get("dflash_config") or {}).get("target_layer_ids"),
+                         "the tapped layers the reference model, vLLM and SGLang fall back to"),
+    "mask_token_id": (lambda v, d: v is None or v == (d.get("dflash_config") or {}).get("mask_token_id"),
+                      "the mask id vLLM and SGLang fall back to"),
+}
+# Keys inside dflash_config that this project implements, and those it accepts at one value only
+# (vLLM qwen3_dflash.py _resolve_layer_attention and load, SGLang dflash_utils.py parse_dflash_draft_config).
 _DFLASH_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "num_target_layers"}
+_DFLASH_SEMANTIC = {
+    "causal": (_one_of(None), "causality of every layer (vLLM)"),
+    "use_swa": (_one_of(None, False), "sliding attention on every layer (vLLM)"),
+    "swa_window_size": (_one_of(None), "the sliding window, before the top-level sliding_window (vLLM)"),
+    "attention_sink_bias": (_one_of(None, False), "per-head attention sinks (vLLM, SGLang)"),
+    "attention_value_scale": (_one_of(None, 1, 1.0), "a scale on V (vLLM, SGLang)"),
+    "use_aux_hidden_state": (_one_of(None, True), "whether vLLM builds fc over tapped target states"),
+    "mask_token": (_one_of(None, "<|MASK|>"), "the token SGLang resolves the mask id against"),
+    "output_multiplier": (_one_of(None, 1, 1.0), "a logits multiplier (SGLang, reference model)"),
+    "final_logit_softcapping": (_one_of(None, 0, 0.0), "logit soft-capping (SGLang, reference model)"),
+    "input_embedding_scale": (_one_of(None, 1, 1.0), "the reference model's scale of block embeddings"),
+    "conv_kernel_size": (_one_of(None, 0), "DFlash2's grouped convolutions (SGLang)"),
+    "conv_group_size": (_one_of(None, 0), "DFlash2's grouped convolutions (SGLang)"),
+    "selector_rank": (_one_of(None, 0), "DFlash2's candidate selector (SGLang)"),
+    "selector_top_k": (_one_of(None, 0), "DFlash2's candidate selector (SGLang)"),
+    "projector_type": (_one_of(None), "a Domino projector head (SGLang)"),
+    "sample_from_anchor": (_one_of(None, False), "the query layout: vLLM refuses true, SGLang's Nemotron layout"),
+    "layer_ids": (_one_of(None), "vLLM's tapped layers when target_layer_ids is absent"),
+}
+_ROPE_KEYS = {"rope_theta", "rope_type", "type"}
+
+
+def unsupported_keys(data: dict) -> list[str]:
+    """Each key of a config.json that this project cannot run as the engines would, with its value and
+    what it changes (an empty list: the drafter computes what the engines compute)."""
+    problems = []
+    for key, value in data.items():
+        if key in _READ or key in _INERT:
+            continue
+        if key in _SEMANTIC:
+            same, effect = _SEMANTIC[key]
+            if not same(value, data):
+                problems.append(f"{key} = {value!r} (changes {effect})")
+        else:
+            problems.append(f"{key} (unknown to this project's reader; it may change what an engine computes)")
+    for key, value in (data.get("dflash_config") or {}).items():
+        if key in _DFLASH_KEYS:
+            continue
+        if key in _DFLASH_SEMANTIC:
+            same, effect = _DFLASH_SEMANTIC[key]
+            if not same(value, data):
+                problems.append(f"dflash_config.{key} = {value!r} (changes {effect})")
+        else:
+            problems.append(f"dflash_config.{key} (unknown to this project's reader; it may change what an "
+                            "engine computes)")
+    for name in ("rope_parameters", "rope_scaling"):
+        params = data.get(name)
+        if isinstance(params, dict):
+            problems += [f"{name}.{k} = {v!r} (changes the RoPE the engines apply; this project's drafter "
+                         "implements plain RoPE, rope_type 'default')" for k, v in params.items()
+                         if k not in _ROPE_KEYS or (k != "rope_theta" and v != "default")]
+    if data.get("attention_bias"):
+        problems.append("attention_bias = true (q/k/v/o biases in vLLM and SGLang)")
+    if data.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act = {data['hidden_act']!r} (the MLP activation)")
+    return problems
 
 
 # --- writing -----------------------------------------------------------------------------------------
@@ -71,6 +189,7 @@ def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16)
         "model_type": MODEL_TYPE,
         "attention_bias": False,
         "attention_dropout": 0.0,
+        "auto_map": dict(AUTO_MAP),
         "block_size": config.block_size,
         "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id},
         "dtype": DTYPE_NAMES[dtype],
@@ -105,6 +224,13 @@ def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in Drafter(config).state_dict().items()}
 
 
+def remote_code_source() -> str:
+    """modeling_dflash.py: the self-contained model class config.json's auto_map names."""
+    from dflash.io import remote_code
+
+    return Path(remote_code.__file__).read_text()
+
+
 def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.bfloat16) -> Path:
     """Write `drafter` to `directory` in the reference layout, its weights cast to `dtype` (None: as
     they are, e.g. float32 for a training checkpoint). Each file appears whole or not at all; the
@@ -117,6 +243,7 @@ def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.
         raise DrafterError(f"cannot save a drafter as {dtype}; use one of {', '.join(DTYPE_NAMES.values())}")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
+    atomic_write(directory / MODEL_FILE, remote_code_source())
     config = json.dumps(reference_config(drafter.config, dtype), indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, config)
     return directory
@@ -196,17 +323,11 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
     if missing:
         raise DrafterError(f"{where} lacks {', '.join(missing)} (dflash_config holds target_layer_ids and "
                            "mask_token_id; the rest are top-level keys); add them from the drafter's training config")
-    unsupported = sorted(set(dflash) - _DFLASH_KEYS)
-    if data.get("is_causal") is not None:
-        unsupported.append("is_causal")
-    if data.get("attention_bias"):
-        unsupported.append("attention_bias")
-    if data.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act {data['hidden_act']!r}")
+    unsupported = unsupported_keys(data)
     if unsupported:
-        raise DrafterError(f"{where} uses {', '.join(unsupported)}, which this project's drafter does not implement "
-                           "(it would compute other outputs than the engines); only DFlashDraftModel drafters with "
-                           f"dflash_config keys {sorted(_DFLASH_KEYS)} load here")
+        raise DrafterError(f"{where} uses {'; '.join(unsupported)}. This project's drafter does not implement "
+                           "that, so it would compute other outputs than the engines do; it reads DFlashDraftModel "
+                           f"drafters with dflash_config keys {sorted(_DFLASH_KEYS)} and the Qwen3 keys only")
     ids = [int(i) for i in dflash["target_layer_ids"]]
     eagle_ids = data.get("eagle_aux_hidden_state_layer_ids")
     if eagle_ids is not None and [int(i) for i in eagle_ids] != [i + 1 for i in ids]:
@@ -370,6 +491,11 @@ def check_fits_target(config: DrafterConfig, target, where: str = "the drafter")
     if config.mask_token_id >= target.vocab_size:
         problems.append(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary "
                         f"(0..{target.vocab_size - 1})")
+    from dflash.io.engines import mask_token_problem
+
+    if getattr(target, "tokenizer", None) is not None and (problem := mask_token_problem(target.tokenizer,
+                                                                                          config.mask_token_id)):
+        problems.append(problem)
     fingerprint = getattr(target, "fingerprint", None)
     if not problems and fingerprint and config.target_fingerprint and config.target_fingerprint != fingerprint:
         problems.append(f"its target_fingerprint {config.target_fingerprint} != the target's {fingerprint} "

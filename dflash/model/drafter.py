@@ -63,7 +63,7 @@ class DrafterConfig:
                                       # the trainer's --block-size is the one default)
     num_target_layers: int            # decoder layers of the target
     target_layer_ids: list[int] = field(default_factory=list)  # tapped target layers, ascending; id l =
-                                      # output of decoder layer l (HF hidden_states[l + 1])
+                                      # output of decoder layer l (HF hidden_states[l + 1]; not the last)
     mask_token_id: int                # the MASK token filling positions 1..bs-1 of a block
     layer_types: list[str] = field(default_factory=list)  # per layer: full_attention or sliding_attention
                                       # (empty: all full_attention)

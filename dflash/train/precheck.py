@@ -1,7 +1,8 @@
 """Checks that cost seconds, run before the target's weights load (minutes on a large target).
 
 From the file system, the target's config.json and its tokenizer alone: the --data / --eval-data files
-exist, --target-layer-ids are layers of the target, the mask token resolves. Each failure is the same
+exist, --target-layer-ids are layers of the target, the mask token resolves, and both are ones vLLM and
+SGLang serve (dflash.io.engines: not the last layer; the tokenizer's <|MASK|>). Each failure is the same
 error, with the same message, that the full load would give later.
 """
 
@@ -38,13 +39,15 @@ def check_target_cheaply(config: TrainConfig) -> None:
         return
     from transformers import AutoConfig, AutoTokenizer
 
+    from dflash.io.engines import check_servable
     from dflash.model.target import _resolve_mask_token, check_layer_ids
 
     text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     if config.model.target_layer_ids is not None:
         check_layer_ids(config.model.target_layer_ids, int(text.num_hidden_layers))
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.model.mask_token)
+    mask_id = _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.model.mask_token)
+    check_servable(config.model.target_layer_ids or [], int(text.num_hidden_layers), tokenizer, mask_id)
 
 
 def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True) -> None:

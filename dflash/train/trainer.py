@@ -307,6 +307,9 @@ def drafter_config(config: TrainConfig, target):
     from dflash.io.drafter import check_fits_target, read_drafter_config
     from dflash.model.drafter import FULL, SLIDING, DrafterConfig
 
+    from dflash.io.engines import check_servable
+
+    check_servable(target.layer_ids, target.num_layers, target.tokenizer, target.mask_token_id)
     opts = config.model
     if not opts.init_drafter:
         n, window = opts.drafter_layers, opts.sliding_window
