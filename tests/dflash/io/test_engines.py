@@ -52,7 +52,7 @@ def test_training_with_a_loaded_target_refuses_the_last_layer_too(chat, tmp_path
 
     target = Target.load(chat[0], layer_ids=[0, 3])
     with pytest.raises(TargetError, match="target layer id 3 is the target's last layer"):
-        drafter_config(TrainConfig(out=str(tmp_path), block_size=4), target)
+        drafter_config(TrainConfig.from_flat(out=str(tmp_path), block_size=4), target)
 
 
 def test_sglang_mask_rule(chat):
