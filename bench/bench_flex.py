@@ -3,7 +3,7 @@
     python bench/bench_flex.py                      27B shape (q [2,24,16384,256], k/v [2,4,24576,256])
     python bench/bench_flex.py --shape small
 
-The drafter's attention (dflash.model, flex path) at a real shape: queries are the block rows, keys the
+The drafter's attention (dflash.model.drafter, flex path) at a real shape: queries are the block rows, keys the
 context + block rows, the BlockMask is the drafter's (dflash.model.masks) for anchors sampled as the
 trainer samples them (dflash.train.synthetic; shapes: dflash.train.shapes.STEP_SHAPES). For each configuration of the backward kernel (tile sizes BLOCK_M1/N1 for dK/dV, M2/N2 for
 dQ, pipeline stages, warps; torch's default for the device first), flex_attention is compiled with those

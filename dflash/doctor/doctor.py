@@ -1,4 +1,4 @@
-"""`dflash doctor`: prove that the fast GatedDeltaNet kernels really load and really run (DESIGN.md §5).
+"""`dflash doctor`: prove that the fast GatedDeltaNet kernels really load and really run (docs/architecture.md, "The doctor's checks").
 
     dflash doctor                       # aligned table; exit 1 when a required check fails
     dflash doctor --json                # the same as JSON (schema in dflash/doctor/verdict.py)
