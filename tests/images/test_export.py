@@ -168,6 +168,16 @@ def test_the_template_carries_the_packaged_scripts():
     assert files["./sbin/init"] == ((scripts / "init.sh").read_bytes(), 0o755)
 
 
+def test_the_template_carries_an_etc_hosts_only_for_an_empty_or_missing_one():
+    """`docker export` leaves Docker's empty /etc/hosts placeholder: `localhost` would resolve nowhere."""
+    placeholder = tarfile.TarInfo("./etc/hosts")
+    assert template.carried_files(_info(), {})["./etc/hosts"] == (template.ETC_HOSTS.encode(), 0o644)
+    assert "./etc/hosts" in template.carried_files(_info(), {"./etc/hosts": placeholder})
+    placeholder.size = 30
+    assert "./etc/hosts" not in template.carried_files(_info(), {"./etc/hosts": placeholder})
+    assert "127.0.0.1\tlocalhost" in template.ETC_HOSTS and "::1\tlocalhost" in template.ETC_HOSTS
+
+
 def test_cuda_comes_from_the_target_label():
     assert imageinfo.image_cuda({"io.dflash.target": "cu130-sm120"}, {}) == "13.0"
     assert imageinfo.image_cuda({"io.dflash.target": "cu128-sm120"}, {}) == "12.8"

@@ -22,7 +22,7 @@ def test_cli_registers_push_with_defaults():
     push.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["push", "--host", "root@pve", "--ctid", "200"])
     assert args.func is push._cmd_push and args.gpus == "all" and args.format == "auto" and not args.dry_run
-    assert args.bwlimit is None
+    assert args.bwlimit is None and args.shm_size is None
     default_target = tg.load().default_target
     assert export.image_from_args(args) == f"dflash-train:{default_target}"  # what `make image` builds
     with pytest.raises(SystemExit):
@@ -85,6 +85,13 @@ def test_push_template_end_to_end_then_refuse_then_replace(pve, capsys):
     assert "ostype: unmanaged" in conf and "unprivileged: 1" in conf and "mp0: local-lvm:1,mp=/data" in conf
     assert lxc.Container("200", pve["base"] / "lxc").state() == "RUNNING"
     assert (pve["base"] / "lxc" / "200-volumes" / "mp0").is_dir()
+    # The raw lines give it a /dev/shm of half --memory (the default 64 GiB) and a loopback that LXC
+    # brings up: the demo image has neither ip nor python3, so its init could not.
+    assert "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir,size=32768M 0 0" in conf
+    assert "lxc.net.99.type: empty\nlxc.net.99.flags: up\n" in conf
+    ct = lxc.Container("200", pve["base"] / "lxc")
+    assert ct.attach(["df", "-k", "/dev/shm"]).stdout.splitlines()[1].split()[1] == str(32768 * 1024)
+    assert int(ct.attach(["cat", "/sys/class/net/lo/flags"]).stdout, 16) & 1  # IFF_UP
     sent = [s for s in report.steps if s["step"] == "transfer"][0]
     assert sent["status"] == "sent" and sent["bytes"] == template.stat().st_size
 
