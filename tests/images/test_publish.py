@@ -3,7 +3,6 @@ auth): tags, no layer sent twice, the SBOM as a referrer, pull back and run the 
 
 import base64
 import json
-import os
 import shutil
 import socket
 import sys
