@@ -53,12 +53,13 @@ def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
     """`n` layer ids spread evenly from 1 to num_layers-3 (the upstream DFlash rule).
 
     Qwen3-8B (36 layers) -> [1, 9, 17, 25, 33]; a 64-layer Qwen3.5-27B -> [1, 16, 31, 46, 61].
-    One layer -> [num_layers // 2].
+    One layer -> [num_layers // 2], but never the last layer where there is another: the serving engines
+    cannot tap the last layer (dflash.io.engines), so a 2-layer target taps layer 0.
     """
     if n < 1:
         raise TargetError(f"need at least one tapped layer, got n={n}")
     if n == 1:
-        return [num_layers // 2]
+        return [min(num_layers // 2, max(0, num_layers - 2))]
     start, end = 1, num_layers - 3
     if end - start + 1 < n:
         raise TargetError(

@@ -25,6 +25,8 @@ def test_default_layer_ids_follow_the_upstream_rule():
     assert default_layer_ids(64) == [1, 16, 31, 46, 61]
     assert default_layer_ids(8) == [1, 2, 3, 4, 5]
     assert default_layer_ids(10, 1) == [5]
+    assert default_layer_ids(3, 1) == [1]
+    assert default_layer_ids(2, 1) == [0]  # never the last layer, which the serving engines cannot tap
     with pytest.raises(TargetError, match="fewer than the 5 requested; ask for n <= 3"):
         default_layer_ids(6)
 
