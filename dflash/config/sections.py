@@ -176,8 +176,10 @@ class RuntimeConfig(Section):
     compile: str = opt("auto", "compile the drafter's decoder layers with torch.compile: 'auto' (on GPU), 'on', 'off' "
                        "(a first step that compiles takes about a minute longer; later steps are faster)",
                        choices=("auto", "on", "off"))
-    cpu_threads: int = opt(0, "threads for CPU tensor ops (0: torch's default); 1 avoids oversubscription on a "
-                              "busy machine")
+    cpu_threads: int = opt(0, "threads for CPU tensor ops (0: torch's default, one per core; the demo's default "
+                              "is 1). CPU results depend on the thread count (it splits float sums), so a fixed count "
+                              "makes a CPU run repeatable whatever the core count; 1 also avoids oversubscription on "
+                              "a busy machine")
     log_every: int = opt(10, "log loss, accuracy and tokens/s every this many optimizer steps")
     save_every: int = opt(500, "write a checkpoint every this many optimizer steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "how many checkpoints to keep in --out/checkpoints (oldest removed)")

@@ -8,17 +8,18 @@ What an evaluation reports (dflash.step.summarize over the whole split, summed o
     loss, acc, acc_per_pos     weighted CE and top-1 accuracy per block position k = 1..bs-1
     accept_per_pos             a_k = P(position k correct | positions 1..k-1 correct): of the blocks whose
                                first k-1 guesses match the labels, the share whose k-th matches too
-    tau_est                    1 + sum_{k=1}^{bs-1} prod_{j<=k} a_j
-The estimate: greedy verification accepts position k exactly when positions 1..k are all right, so a
-verify step yields 1 (the bonus token) + the number of leading correct positions, and
-E[1 + sum_k 1{1..k correct}] = 1 + sum_k P(1..k correct) = 1 + sum_k prod_{j<=k} a_j. Each block is a
-verify step with the anchor at a supervised position and the labels as the target's continuation, so
-the estimate is tau when the labels are the target's own greedy answers (regenerated data, dflash
-regenerate) and decoding meets anchors where the data has them. Using the marginal accuracies in place
-of a_k (independent errors) would underestimate it: a drafter that is right at k is usually right at k-1.
-The catch is where the anchors fall. Decoding anchors each step right after the last one's accepted
-tokens, so it visits the hard stretches of an answer (short steps) more often than uniform anchors do,
-and tau_est over-estimates tau (on the demo drafter: 3.45 against a measured 2.47 on the same prompts).
+No tau is derived from these rates. A verify step anchored at answer position p yields L(p) = 1 + the
+number of leading correct guesses, and 1 + sum_k prod_{j<=k} a_j (the former tau_est) is the mean of L
+over the sampled anchors: an arithmetic mean over positions. Decoding anchors each step where the last
+one stopped, so its tau = tokens / steps is the harmonic mean, over the tokens it produces, of the L of
+the step that produced each (a step of L tokens counts 1/L per token). Two things part them, and neither
+is bounded: the kind of mean (arithmetic >= harmonic: decoding dwells on the hard stretches, whose short
+steps uniform anchors count once per position), and L at a position inside a step against the step's own
+L (a later start may stop at the same hard token, or pass it). Constructed cases put tau above the
+uniform mean (every block stops at the next hard token: tau = the gap G, the mean (G + 1) / 2) or near
+bs/4 times below it (alternating runs of bs easy and bs hard positions). On the demo (seeds 0-2, 6
+evaluations each, 12 prompts) the mean of L over every answer position read x0.85-x1.54 the measured tau
+(tau_est x0.97-x1.60 on seeds 0 and 1), its harmonic mean x0.59-x0.90; tau_replay equalled tau in all 18.
 
 With --eval-tau-prompts N, on the first N evaluation sequences (rank 0 only; the other ranks wait at
 their next collective):
@@ -27,7 +28,7 @@ their next collective):
                    L(p) = 1 + leading correct positions; from the answer's first token, p -> p + L(p)
                    for --eval-new-tokens tokens; tau_replay = tokens / steps. With the target's own
                    greedy answers as data it is the same decoding as the measured one, without a
-                   target pass per step (demo: 2.467 and 2.467).
+                   target pass per step (demo: 2.467 and 2.467). This is the cheap tau to watch.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def prompt_of(item: dict) -> list[int]:
 @torch.no_grad()
 def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist,
                    pad_id: int, autocast_dtype: torch.dtype) -> dict:
-    """Loss, accuracy, per-position acceptance and tau_est of the bare `drafter` on `items` (every rank
+    """Loss, accuracy and per-position acceptance of the bare `drafter` on `items` (every rank
     takes its share of each batch; the sums are added over ranks)."""
     was_training = drafter.training
     drafter.eval()

@@ -73,7 +73,8 @@ def dflash_loss(    logits: torch.Tensor,
     stats = {"acc_per_pos": [bs-1] float32, top-1 accuracy per position (0 where no valid label),
              "acc": [] float64, top-1 accuracy over all valid labels, "n_valid": [] long, valid labels,
              "tau_est": [] float32, 1 + mean accepted prefix over fully valid blocks (what greedy
-                        verification would accept from these blocks; 0.0 when no block is fully valid)}
+                        verification would accept from these blocks; 0.0 when no block is fully valid;
+                        not decoding's tau, whose steps start elsewhere: dflash.train.evaluation)}
     The stats are tensors on the logits' device: reading them (float(), int()) is the caller's choice,
     so a training step that does not need them never waits for the device.
     """

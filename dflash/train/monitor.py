@@ -121,8 +121,8 @@ class RunMonitor:
         if self.d.is_main:
             measured = (f" tau {m['tau']:.2f} (replayed {m['tau_replay']:.2f}) on {m['tau_prompts']} prompts"
                         if "tau" in m else "")
-            log.info("eval step %d loss %.4f acc %.3f tau_est %.2f%s accept/pos %s", step, m["loss"], m["acc"],
-                     m["tau_est"], measured, " ".join(f"{a:.2f}" for a in m["accept_per_pos"]))
+            log.info("eval step %d loss %.4f acc %.3f%s accept/pos %s", step, m["loss"], m["acc"],
+                     measured, " ".join(f"{a:.2f}" for a in m["accept_per_pos"]))
         self.last_eval = step
         self._restart_window()
         return m

@@ -3,8 +3,8 @@
     RUN_DIR/report/loss.png        training loss per step (and its moving average), evaluation loss
     RUN_DIR/report/acceptance.png  per-position acceptance a_k and accuracy at the first, middle and
                                    last evaluation (training records when the run has no evaluation)
-    RUN_DIR/report/tau.png         tau estimated from acceptance (training, evaluation) and measured
-                                   by speculative decoding (--eval-tau-prompts), per step
+    RUN_DIR/report/tau.png         tau measured by speculative decoding and replayed on the data at each
+                                   evaluation (--eval-tau-prompts; none without it)
     RUN_DIR/report/throughput.png  tokens/s, and MFU on a GPU
     RUN_DIR/report/report.md       the run's settings and last numbers, with the plots
 
@@ -83,8 +83,9 @@ def _plot_acceptance(ax, train, evals):
 
 
 def _plot_tau(ax, train, evals):
-    ax.plot(*_series(train, "tau_est"), color="tab:blue", alpha=0.4, lw=1, label="estimate, train batches")
-    ax.plot(*_series(evals, "tau_est"), "o-", color="tab:orange", label="estimate, eval split")
+    if not any("tau" in r for r in evals):
+        ax.text(0.5, 0.5, "no tau measured: --eval-tau-prompts N measures it at each evaluation",
+                ha="center", va="center", transform=ax.transAxes)
     ax.plot(*_series(evals, "tau"), "s--", color="tab:green", label="measured (speculative decoding)")
     ax.plot(*_series(evals, "tau_replay"), "^:", color="tab:purple", label="replayed on the eval data")
     ax.set(xlabel="optimizer step", ylabel="tokens per verify step", title="tau")
@@ -135,20 +136,19 @@ def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config
              f"- block size {config.get('block_size', '-')}, drafter layers {config.get('drafter_layers', '-')}, "
              f"lr {config.get('lr', '-')}",
              f"- steps recorded: {len(train)} (last: {last.get('step', '-')}), evaluations: {len(evals)}", "",
-             "| | loss | accuracy | tau estimate | tau replayed | tau measured |", "|---|---|---|---|---|---|",
-             f"| last training step | {_fmt(last.get('loss'))} | {_fmt(last.get('acc'), '.3f')} | "
-             f"{_fmt(last.get('tau_est'), '.2f')} | - | - |"]
+             "| | loss | accuracy | tau replayed | tau measured |", "|---|---|---|---|---|",
+             f"| last training step | {_fmt(last.get('loss'))} | {_fmt(last.get('acc'), '.3f')} | - | - |"]
     if ev:
         lines.append(f"| last evaluation (step {ev['step']}) | {_fmt(ev.get('loss'))} | {_fmt(ev.get('acc'), '.3f')} | "
-                     f"{_fmt(ev.get('tau_est'), '.2f')} | {_fmt(ev.get('tau_replay'), '.2f')} | "
+                     f"{_fmt(ev.get('tau_replay'), '.2f')} | "
                      f"{_fmt(ev.get('tau'), '.2f')} |")
     lines += ["", f"- throughput: median {_fmt(rates[len(rates) // 2] if rates else None, '.0f')} tokens/s"
               + (f", MFU {_fmt(100 * last['mfu'], '.1f')} %" if last.get("mfu") is not None else "")
               + (f", peak GPU memory {_fmt(max(r.get('gpu_mem_gib', 0) for r in train), '.1f')} GiB"
                  if last.get("gpu_mem_gib") is not None else ""),
-              "- tau estimate = 1 + sum_k prod_{j<=k} a_j, with a_k the share of blocks right at position k "
-              "among those right at 1..k-1 (uniform anchors: it over-estimates decoding's tau); tau replayed: "
-              "greedy verification replayed on the evaluation data (dflash.train_eval)", ""]
+              "- tau measured: speculative decoding of --eval-tau-prompts evaluation prompts; tau replayed: "
+              "greedy verification replayed on their data, the same decoding when the data is the target's "
+              "own greedy answers (dflash.train.evaluation)", ""]
     lines += [f"![{name}]({name}.png)" for name in PLOTS]
     return "\n".join(lines) + "\n"
 

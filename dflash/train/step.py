@@ -69,10 +69,10 @@ def acceptance_sums(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch.T
 def summarize(totals: torch.Tensor, block_size: int, grad_norm: torch.Tensor | None = None) -> dict:
     """Metrics of packed sums (StepSums.pack, added up over micro-batches and ranks); one read-back.
 
-    loss (weighted CE), acc and acc_per_pos (top-1 accuracy per block position 1..bs-1),
-    accept_per_pos (a_k above) and tau_est = 1 + sum_k prod_{j<=k} a_j: the expected tokens per
-    verify step when the anchors fall where the data's do and the labels are the target's greedy tokens
-    (dflash.train_eval says why). `grad_norm` ([], optional) is read back with the rest.
+    loss (weighted CE), acc and acc_per_pos (top-1 accuracy per block position 1..bs-1) and
+    accept_per_pos (a_k above). No tau: these blocks sit at sampled anchors, decoding's where the last
+    step stopped, and no formula of these rates bounds decoding's tau (dflash.train.evaluation says why and
+    what measures it). `grad_norm` ([], optional) is read back with the rest.
     """
     k = block_size - 1
     loss_sum, weight = totals[0], totals[1]
@@ -80,14 +80,12 @@ def summarize(totals: torch.Tensor, block_size: int, grad_norm: torch.Tensor | N
     tokens, anchors = totals[2 + 2 * k], totals[3 + 2 * k]
     accepted, reached = totals[4 + 2 * k:4 + 3 * k], totals[4 + 3 * k:4 + 4 * k]
     accept = accepted / reached.clamp(min=1)
-    tau = 1 + torch.cumprod(accept, 0).sum()
     norm = totals.new_full((), float("nan")) if grad_norm is None else grad_norm.detach().to(totals)
-    head = torch.stack([loss_sum / weight.clamp(min=1e-12), correct.sum() / valid.sum().clamp(min=1), tau,
+    head = torch.stack([loss_sum / weight.clamp(min=1e-12), correct.sum() / valid.sum().clamp(min=1),
                         tokens, anchors, norm.reshape(())])
-    loss, acc, tau, tokens, anchors, norm, *rest = torch.cat([head, correct / valid.clamp(min=1), accept]).tolist()
+    loss, acc, tokens, anchors, norm, *rest = torch.cat([head, correct / valid.clamp(min=1), accept]).tolist()
     out = {"loss": loss, "acc": acc, "acc_per_pos": [round(x, 4) for x in rest[:k]],
-           "accept_per_pos": [round(x, 4) for x in rest[k:]], "tau_est": round(tau, 4),
-           "tokens": int(tokens), "anchors": int(anchors)}
+           "accept_per_pos": [round(x, 4) for x in rest[k:]], "tokens": int(tokens), "anchors": int(anchors)}
     return out if grad_norm is None else {"grad_norm": norm, **out}
 
 

@@ -179,6 +179,36 @@ def test_demo_drafter_beats_both_baselines(tmp_path):
         assert trained["tau"] >= results[baseline]["tau"] + MARGIN, results
 
 
+@pytest.mark.slow
+def test_demo_run_is_the_same_whatever_torchs_thread_count(tmp_path):
+    """torch's default thread count is the machine's core count, and a CPU op split over threads rounds
+    differently (before the demo pinned one thread, 4 threads against 1 gave another drafter after 30
+    steps). With the demo's defaults (no --cpu-threads), a 1-core and a 4-core default give the same
+    data, losses, drafter weights and tau."""
+    from dflash.cli import train_main
+
+    short = ["--no-progress", "--device", "cpu", "--max-steps", "30", "--demo-conversations", "64",
+             "--eval-prompts", "4", "--eval-new-tokens", "32", "--save-every", "0"]
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)  # torch's default on a 1-core and on a 4-core machine
+            out = tmp_path / f"threads-{n}"
+            assert train_main(["--out", str(out), *short]) == 0
+            run = RunDir(out)
+            results = json.loads(run.eval_results.read_text())
+            runs.append({"data": run.demo_data.read_bytes(),
+                         "steps": [(r["loss"], r["grad_norm"]) for r in read_metrics(out) if r["split"] == "train"],
+                         "drafter": (run.drafter / "model.safetensors").read_bytes(),
+                         "tau": {name: r["tau"] for name, r in results.items()}})
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs[0]["steps"]) == 30 and runs[0]["tau"]["trained drafter"] > 1.0
+    for key in ("data", "steps", "drafter", "tau"):
+        assert runs[0][key] == runs[1][key], key
+
+
 # --- on a GPU --------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_training_runs_in_bf16_and_learns(tiny, tmp_path):
