@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from wheelbuilder import targets as tg
+from wheelbuilder import variants
 from wheelbuilder.build import build_target
 
 
@@ -52,7 +53,7 @@ def main() -> int:
     target = tg.load().target(args.target)
     recipe = target.recipes[0]
     upstream_n = len(recipe.upstream_arches)
-    two = tg.with_arches(target, ",".join([str(target.arches[0]), args.second_arch]))
+    two = variants.with_arches(target, ",".join([str(target.arches[0]), args.second_arch]))
     work = Path(tempfile.mkdtemp(prefix="bench-build-"))
     try:
         # The first build is cold (an empty ccache directory, so every object is a miss) and fills the

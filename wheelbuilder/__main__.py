@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from . import targets as tg
+from . import variants
 from common.cli import DefaultsOnceHelpFormatter, add_version
 from common.cli import run_cli
 
@@ -99,9 +100,9 @@ def main_inner(argv: list[str] | None = None) -> int:
 
         target = catalog.target(args.target)
         if args.arch is not None:  # `--arch ''` is a mistake, not "the target's arches"
-            target = tg.with_arches(target, args.arch)
+            target = variants.with_arches(target, args.arch)
         if args.python:
-            target = tg.with_python(target, args.python)
+            target = variants.with_python(target, args.python)
         out = args.out or DIST_WHEELS / target.name
         build_target(target, out, build_root=args.build_dir, log_dir=args.log_dir, dry_run=args.dry_run)
         return 0
@@ -110,7 +111,7 @@ def main_inner(argv: list[str] | None = None) -> int:
 
         target = catalog.target(args.target)
         if args.python:
-            target = tg.with_python(target, args.python)
+            target = variants.with_python(target, args.python)
         reports = []
         for wheel in args.wheels:
             recipe = next((r for r in target.recipes if wheel.name.startswith(r.dist_name + "-")), None)

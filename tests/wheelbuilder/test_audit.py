@@ -15,7 +15,8 @@ import pytest
 
 from wheelbuilder.audit import audit_so, audit_wheel, find_modules
 from wheelbuilder.errors import AuditError
-from wheelbuilder.targets import load, with_arches, with_python
+from wheelbuilder.targets import load
+from wheelbuilder.variants import with_arches, with_python
 from wheelbuilder.wheelfile import BUILD_INFO, build_info, repack_deterministic
 
 KERNEL = r"""

@@ -10,6 +10,7 @@ import pytest
 from packaging.version import Version
 
 from wheelbuilder import targets as tg
+from wheelbuilder import variants
 from wheelbuilder.errors import ConfigurationError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,20 +115,20 @@ def test_sm120_needs_cuda_12_8(tmp_path):
 
 def test_arch_override_is_checked_against_the_toolkit():
     t = tg.load().target("cu130-sm120")
-    assert [a.sm for a in tg.with_arches(t, "9.0,12.0+PTX").arches] == [90, 120]
+    assert [a.sm for a in variants.with_arches(t, "9.0,12.0+PTX").arches] == [90, 120]
     with pytest.raises(ConfigurationError):
-        tg.with_arches(t, " , ")
+        variants.with_arches(t, " , ")
 
 
 def test_python_override_changes_the_wheel_tag_and_nothing_else():
     t = tg.load().target("cu130-sm90")
-    t312 = tg.with_python(t, "3.12")
+    t312 = variants.with_python(t, "3.12")
     assert (t.python, t.cp_tag) == ("3.11", "cp311")
     assert (t312.python, t312.cp_tag) == ("3.12", "cp312")
     assert (t312.name, t312.arches, t312.torch, t312.local_version()) == (t.name, t.arches, t.torch, t.local_version())
     for bad, says in (("3", "major.minor"), ("py312", "major.minor"), ("3.8", "needs Python >= 3.10")):
         with pytest.raises(ConfigurationError, match=says):
-            tg.with_python(t, bad)
+            variants.with_python(t, bad)
 
 
 def test_cuda_major_mismatch_between_toolkit_and_torch(tmp_path):
