@@ -343,14 +343,12 @@ class TargetShape:
 def target_shape(path) -> TargetShape:
     """TargetShape of the HF model directory (or Hub model id: dflash.target.resolve_target) `path`,
     from its config.json alone."""
-    from transformers import AutoConfig
-
-    from dflash.model.target import resolve_target
+    from dflash.model.target import read_target_config, resolve_target
 
     path = resolve_target(path)
     if not (path / CONFIG_NAME).is_file():
         raise DrafterError(f"{path} is not a model directory (no {CONFIG_NAME}); pass the target's local directory")
-    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    text = read_target_config(path).get_text_config()
     return TargetShape(int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size),
                        int(getattr(text, "max_position_embeddings", None) or 40960))
 
