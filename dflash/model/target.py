@@ -258,7 +258,7 @@ def read_target_config(path):
                           "the key it lacks (e.g. \"model_type\": \"qwen3\" for Qwen3, \"qwen3_5\" for Qwen3.5)")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # ValueError, OSError, TypeError, huggingface_hub's StrictDataclassError, ...
         import transformers
 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
