@@ -359,7 +359,8 @@ def test_target_config(config):
         pass
 
 
-@given(lines=st.lists(st.one_of(CONVERSATION.map(lambda c: json.dumps(c).encode()), st.binary(max_size=40)), max_size=6),
+@given(lines=st.lists(st.one_of(CONVERSATION.map(lambda c: json.dumps(c).encode()), st.binary(max_size=40)),
+                      max_size=6),
        bom=st.booleans(), suffix=st.sampled_from([".jsonl", ".json"]), max_length=st.integers(1, 40))
 def test_data_shard_reader(lines, bom, suffix, max_length):
     """--data files as the training reader and its check before the target loads see them: records (each

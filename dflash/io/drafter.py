@@ -263,7 +263,8 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
                            f"dflash_config keys {sorted(_DFLASH_KEYS)} load here")
     ids = _int_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids", where)
     eagle_ids = data.get("eagle_aux_hidden_state_layer_ids")
-    if eagle_ids is not None and _int_list(eagle_ids, "eagle_aux_hidden_state_layer_ids", where) != [i + 1 for i in ids]:
+    eagle = "eagle_aux_hidden_state_layer_ids"
+    if eagle_ids is not None and _int_list(eagle_ids, eagle, where) != [i + 1 for i in ids]:
         # vLLM eagle3_utils.py prefers this key as-is over dflash_config.target_layer_ids (+1).
         raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids {eagle_ids} disagrees with target_layer_ids "
                            f"{ids} (vLLM would tap {eagle_ids}, this project {[i + 1 for i in ids]}); remove the key")
@@ -283,7 +284,8 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
             rms_norm_eps=_float(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
             rope_theta=_rope_theta(data, where),
             max_position_embeddings=size("max_position_embeddings", data.get("max_position_embeddings") or 40960),
-            vocab_size=size("vocab_size"), block_size=size("block_size", data.get("block_size", dflash.get("block_size"))),
+            vocab_size=size("vocab_size"),
+            block_size=size("block_size", data.get("block_size", dflash.get("block_size"))),
             num_target_layers=size("num_target_layers", data.get("num_target_layers", dflash.get("num_target_layers"))),
             target_layer_ids=ids, mask_token_id=_int(dflash["mask_token_id"], "dflash_config.mask_token_id", where),
             layer_types=layer_types, sliding_window=window,

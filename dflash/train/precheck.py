@@ -57,7 +57,8 @@ def check_data_source(flag: str, value) -> None:
                  if (shard.suffix == ".parquet" and _parquet_rows(shard) == 0)
                  or (shard.suffix != ".parquet" and not _has_content(shard))]
     except OSError as exc:
-        raise DataError(f"{flag} {value}: cannot be read ({exc}); fix its permissions or point {flag} elsewhere") from None
+        raise DataError(f"{flag} {value}: cannot be read ({exc}); fix its permissions or point {flag} "
+                        "elsewhere") from None
     if len(empty) == len(source.shards):
         what = "is empty" if source.shards == (source.path,) else f"holds only empty files ({len(empty)})"
         raise DataError(f"{flag} {value} {what}: no conversation to train on. Pass a chat JSONL with one "

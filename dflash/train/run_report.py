@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from dflash.errors import ConfigError
 
@@ -238,8 +238,8 @@ def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config
               "among those right at 1..k-1 (uniform anchors: it over-estimates decoding's tau); tau replayed: "
               "greedy verification replayed on the evaluation data (dflash.train_eval)"]
     if problems:
-        lines.append(f"- left out of this report ({len(problems)}): "
-                     + "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + ("; ..." if len(problems) > MAX_PROBLEMS_SHOWN else ""))
+        more = "; ..." if len(problems) > MAX_PROBLEMS_SHOWN else ""
+        lines.append(f"- left out of this report ({len(problems)}): " + "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + more)
     lines.append("")
     lines += [f"![{name}]({name}.png)" for name in PLOTS]
     return "\n".join(lines) + "\n"
