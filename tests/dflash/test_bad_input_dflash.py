@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,19 +136,26 @@ def out_of_order(lines: list[str]) -> bytes:
     return ("\n".join(lines[:3] + [json.dumps(first), json.dumps(second)] + lines[3:]) + "\n").encode()
 
 
-def dead_pid() -> int:
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
+KILLED_MID_BUILD = """
+import os, signal, sys, tempfile
+from pathlib import Path
+from dflash.data.token_cache import _build_prefix
+final = Path(sys.argv[1]) / ("0" * 20)
+final.parent.mkdir(parents=True, exist_ok=True)
+tmp = Path(tempfile.mkdtemp(prefix=_build_prefix(final), dir=final.parent))  # as build() makes it
+(tmp / "work-train").mkdir()
+(tmp / "work-train" / "read.arrow").write_bytes(bytes(4096))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
 
 
 def plant_stale_builds(w, t: Path) -> None:
-    """A partial token-cache build of this host left by a killed process, and one of another host (alive, as
-    far as this host can tell)."""
+    """A partial token-cache build left by a process killed outright (SIGKILL: no clean-up ran), and one of
+    another host (alive, as far as this host can tell)."""
     cache = t / "tokenized-cache"
-    stale = cache / f".{'0' * 20}.tmp-{socket.gethostname()}-{dead_pid()}-killed1"
-    (stale / "work-train").mkdir(parents=True)
-    (stale / "work-train" / "read.arrow").write_bytes(b"\0" * 4096)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_BUILD, str(cache)], env=env)
+    assert killed.returncode == -9 and len(list(cache.glob(".*.tmp-*"))) == 1
     (cache / f".{'1' * 20}.tmp-otherhost-{os.getpid()}-running").mkdir()
 
 
@@ -179,6 +187,7 @@ class Case:
     leaves: tuple[str, ...] | None = ("train.log",)  # what tmp/out may hold new afterwards (ANY: not checked)
     log_words: tuple[str, ...] = ()  # tmp/out/train.log must say these
     seconds: float | None = None  # must be done within this
+    check: Callable[[Path], None] | None = None  # more to assert of tmp afterwards
     xfail: str | None = None  # a fix that lives in a file this suite's changes could not touch
 
 
@@ -271,7 +280,8 @@ CASES = [
          ("order.jsonl:4: roles out of order", "--on-bad-line skip"), prepare=write_data("order.jsonl", out_of_order),
          leaves=("train.log", "config.json")),
     Case("token-cache-partial-build-of-a-killed-run", train_main, train_flags(), 0,
-         ("a partial tokenised cache left by a run that was killed",), leaves=ANY, prepare=plant_stale_builds),
+         ("a partial tokenised cache left by a run that was killed",), leaves=ANY, prepare=plant_stale_builds,
+         check=lambda t: [*(t / "tokenized-cache").glob(".*otherhost*")] or pytest.fail("another host's build went")),
     # the run's own files
     Case("metrics-on-a-full-disk", train_main, train_flags(), 4,
          ("No space left on device", "Free space on that disk", "run it again"), prepare=metrics_on_a_full_disk,
@@ -330,6 +340,8 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
             assert word in log, f"{word!r} not in train.log: {log}"
     partial = [p.name for p in (tmp_path / "tokenized-cache").glob(".*") if "otherhost" not in p.name]
     assert not partial, f"the token cache holds partial builds: {partial}"
+    if case.check:
+        case.check(tmp_path)
 
 
 def test_a_full_disk_while_checkpointing_is_a_checkpoint_error_in_train_log(world, tmp_path, monkeypatch, capsys):
