@@ -182,6 +182,9 @@ RUN if [ "$BUILD_CHECK" = 1 ]; then dflash doctor --quick; fi
 # built wheel's sha256 (images/sbom.py). `python -m images publish` attaches it to the pushed image.
 RUN python -m images.sbom --locks /opt/dflash/locks --wheels /opt/dflash/wheels/manifest.json \
       --out /opt/dflash/sbom.cdx.json
+# localhost for containers that do not get Docker's /etc/hosts (an OCI archive or LXC template of
+# this image): torchrun's store and NCCL bootstrap connect to it.
+COPY images/rootfs/hosts /etc/hosts
 RUN useradd --create-home --uid 1000 --shell /bin/bash dflash
 USER dflash
 # Declared this late on purpose: they change with every commit / wheel, and an ARG in scope is part of

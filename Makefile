@@ -19,7 +19,7 @@ PUBLISH_ARGS ?=
 .PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-drafter bench-flex bench-fit bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 # pip brings in the small dev lock (uv among it); uv installs torch & co. as hard links into its cache,
 # so the venvs the tests create from the same lock cost almost no disk.
@@ -59,7 +59,7 @@ bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
 
-bench-drafter: venv  ## the drafter micro-batch alone at the 27B shape: before/after variants side by side, TFLOP/s, memory, gradients vs fp32
+bench-drafter: venv  ## the drafter micro-batch alone at the 27B shape: before/after variants side by side, TFLOP/s, memory, gradients vs fp32 (GPU)
 	$(PY) bench/bench_drafter.py --numerics
 
 bench-flex: venv  ## flex_attention backward tile configurations at the drafter's 27B attention shape (GPU)
@@ -100,7 +100,8 @@ bench-push: engine  ## export time, template size and SSH transfer throughput ov
 bench-publish: engine  ## registry publish (first vs unchanged re-push) and push-docker vs docker save | ssh docker load
 	$(PY) bench/bench_publish.py --target $(TARGET)
 
-bench: bench-build bench-kernels bench-train bench-loss bench-image bench-push  ## all benchmarks
+bench: venv  ## every bench-* benchmark this machine can run, in turn; each one it cannot run is named with what it needs
+	$(PY) bench/run_all.py --preset $(PRESET) --drafter $(DRAFTER)
 
 push: venv  ## ship the image to a Proxmox host: make push HOST=root@pve CTID=200 [PUSH_ARGS="--dry-run | --from-registry REF"]
 	@test -n "$(HOST)" -a -n "$(CTID)" || { echo 'usage: make push HOST=root@pve CTID=200 [TARGET=...] [PUSH_ARGS=--dry-run]'; exit 2; }
@@ -121,7 +122,7 @@ test: venv lint engine  ## lint, then every test tier this machine can run
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: venv  ## unit tests only (no Docker, no compiles)
-	$(PY) -m pytest -m "not docker and not nvcc and not lxc and not ssh and not gpu and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not docker and not nvcc and not lxc and not ssh and not gpu and not slow and not serving" $(PYTEST_ARGS)
 
 clean:  ## remove build outputs (keeps the venv)
 	rm -rf dist build logs

@@ -22,10 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from wheelbuilder import targets as tg  # noqa: E402
-from wheelbuilder.build import build_target  # noqa: E402
+from wheelbuilder import targets as tg
+from wheelbuilder.build import build_target
 
 
 def timed_build(target: tg.Target, work: Path, name: str, ccache: bool) -> float:

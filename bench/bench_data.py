@@ -6,11 +6,12 @@ training step on a cold and on a warm token cache.
 
 The synthetic set: multi-turn chats (2-4 user turns), a third of the answers with reasoning, every
 fifth conversation with a tool call and its result, written as chat JSONL. The tokenizer is a byte-level
-BPE trained on a sample of the set, with tests/data/templates/think_in_prompt.jinja (Qwen3.5's rules:
-think block in the generation prompt, reasoning stripped from history), the span locator's slowest
-path. Tokenisation runs through dflash.token_cache exactly as a run does. The time to first step
-trains a tiny Qwen3 target (its vocabulary sized to the tokenizer) for one step with `dflash.train`,
-first with an empty cache (tokenises everything), then again with the cache it left (the second start).
+BPE trained on a sample of the set (dflash.demo.tokenizer), with bench/templates/think_in_prompt.jinja
+(Qwen3.5's rules: think block in the generation prompt, reasoning stripped from history), the span
+locator's slowest path. Tokenisation runs through dflash.data.token_cache exactly as a run does. The time to
+first step trains a tiny random Qwen3 target (6 layers, hidden 32, its vocabulary sized to the tokenizer)
+for one step with `dflash.train`, first with an empty cache (tokenises everything), then again with the
+cache it left (the second start).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+# Qwen3.5's chat rules, the span locator's slowest path
+TEMPLATE = Path(__file__).resolve().parent / "templates" / "think_in_prompt.jinja"
 
 WORDS = ("the a fox river count number list answer because first then after sum prime city weather "
          "table function value result step check small large north south read write").split()
@@ -60,7 +61,7 @@ def make_tokenizer(convs):
 
     sample = [" ".join(m["content"] for m in c) for c in convs[:2000]]
     tok = build_chat_tokenizer(sample, vocab_size=1024)
-    tok.chat_template = (REPO / "tests" / "data" / "templates" / "think_in_prompt.jinja").read_text()
+    tok.chat_template = TEMPLATE.read_text()
     return tok
 
 
@@ -80,12 +81,11 @@ def tokenise_rate(data: Path, tok, procs: int, work: Path) -> dict:
 
 def save_target(out: Path, tok) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from tests.support.dflash_tiny import qwen3_config
-
-    config = qwen3_config(num_layers=6)
-    config.vocab_size, config.pad_token_id, config.eos_token_id = len(tok), tok.pad_token_id, tok.eos_token_id
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tok.save_pretrained(out)
@@ -96,10 +96,10 @@ def time_to_first_step(target: Path, data: Path, out: Path, cache: Path, procs: 
     from dflash.config import TrainConfig
     from dflash.train.trainer import train
 
-    config = TrainConfig(target=str(target), data=str(data), out=str(out), data_cache=str(cache), num_proc=procs,
-                         block_size=4, drafter_layers=1, max_length=512, max_tokens=2048, batch_size=4,
-                         max_anchors=8, max_steps=1, epochs=0, save_every=0, device="cpu", progress=False,
-                         attention="sdpa", cpu_threads=1)
+    config = TrainConfig.from_flat(target=str(target), data=str(data), out=str(out), data_cache=str(cache),
+                                   num_proc=procs, block_size=4, drafter_layers=1, max_length=512, max_tokens=2048,
+                                   batch_size=4, max_anchors=8, max_steps=1, epochs=0, save_every=0, device="cpu",
+                                   progress=False, attention="sdpa", cpu_threads=1, overwrite=True)
     first: list[float] = []
     t0 = time.perf_counter()
     train(config, handle_signals=False, on_step=lambda step, m: first.append(time.perf_counter() - t0) or True)

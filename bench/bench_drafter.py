@@ -4,25 +4,28 @@
     python bench/bench_drafter.py --numerics               + each variant's gradients against an fp32 reference
     python bench/bench_drafter.py --shape tiny --device cpu --variants before,fused-head   (a CPU smoke run)
 
-What runs is the trainer's own step, dflash.step.micro_batch_sums + backward, with `StandInTarget` in
-place of the frozen target (a benchmark double): the tapped hidden states are random [B,T,k*H], the
-embedding and the LM head random [V,H] tables of the target's shape and dtype. The drafter, the head and
-the loss do all the work, which is what is timed here (the target's forward is bench_train's).
+What runs is the trainer's own step, dflash.train.step.micro_batch_sums + backward, with
+dflash.train.numerics.StandInTarget in place of the frozen target: the tapped hidden states are random
+[B,T,k*H], the embedding and the LM head random [V,H] tables of the target's shape and dtype. The drafter,
+the head and the loss do all the work, which is what is timed here (the target's forward is bench_train's).
+Shapes: dflash.train.shapes.STEP_SHAPES; the batch: dflash.train.synthetic.synthetic_batch.
 
-Variants (every one starts from the same initial weights, anchors and inputs):
+Variants (dflash.train.numerics.STEP_VARIANTS; every one starts from the same initial weights, anchors
+and inputs):
   before      eager decoder layers, LM head in checkpointed chunks (losses.weighted_ce_from_hidden)
-  fused-head  eager layers, LM head fused with the loss (dflash.head_loss)
+  fused-head  eager layers, LM head fused with the loss (dflash.train.head_loss)
   compiled    Drafter.compile_layers (regional torch.compile), checkpointed head
   after       compiled layers + fused head: what the trainer runs on a GPU
 For each: median seconds of --reps micro-batches after --warmup (a CUDA sync around each phase), for
-forward+loss and backward; their model TFLOP/s (dflash.flops: the drafter's 3x forward split 1:2, the
+forward+loss and backward; their model TFLOP/s (dflash.train.flops: the drafter's 3x forward split 1:2, the
 head's 2 products 1:1) and share of a bf16 matmul peak measured in the same run; the peak memory the
 micro-batch adds over what was allocated before it (weights, inputs), and the absolute peak.
 
 --numerics: each variant's parameter gradients for one micro-batch against an fp32 reference step on the
 same weights and inputs (bf16 inputs upcast): fp32 weights and activations, no autocast, TF32 off, dense
 masked SDPA on the memory-efficient kernel, the head in checkpointed fp32 chunks. Cosine and relative L2
-error per parameter group. The reference is first checked against a float64 step at a small shape.
+error per parameter group (dflash.train.numerics). The reference is first checked against a float64 step
+at a small shape.
 --profile NAMES: one micro-batch of each variant named under torch.profiler: GPU time by kernel family, the
 busy share of the wall time, and the host syncs (torch.cuda sync debug mode).
 """
@@ -35,89 +38,22 @@ import statistics
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench.bench_train import free_memory as free  # noqa: E402
-from bench.bench_train import collate_with_anchors, matmul_peak, sync, synthetic_items  # noqa: E402
-from dflash import distributed
-from dflash.train import flops  # noqa: E402
-from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from dflash.train.step import backward, micro_batch_sums  # noqa: E402
-from dflash.model.target import default_layer_ids  # noqa: E402
-from dflash.train.trainer import auto_precision  # noqa: E402
-
-SHAPES = {
-    # Qwen3.5-27B's attention layers (the drafter copies them), its vocabulary and 64 layers; 2 x 4096 tokens
-    "27b": dict(hidden=5120, heads=24, kv_heads=4, head_dim=256, intermediate=17408, vocab=248320,
-                target_layers=64, batch=2, seq=4096, anchors=512),
-    "small": dict(hidden=1024, heads=8, kv_heads=2, head_dim=128, intermediate=3072, vocab=32000,
-                  target_layers=24, batch=2, seq=1024, anchors=64),
-    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512,
-                 target_layers=8, batch=2, seq=128, anchors=8),
-}
-VARIANTS = {"before": dict(compiled=False, fused_head=False), "fused-head": dict(compiled=False, fused_head=True),
-            "compiled": dict(compiled=True, fused_head=False), "after": dict(compiled=True, fused_head=True)}
-GROUPS = ("fc", "attention", "mlp", "norms")
-
-
-def group_of(name: str) -> str:
-    """The parameter group of a drafter tensor name: fc (+ its norm), attention projections, MLP, the other norms."""
-    if name.startswith(("fc.", "hidden_norm.")):
-        return "fc"
-    if "_proj." in name:
-        return "mlp" if ".mlp." in name else "attention"
-    return "norms"
-
-
-class StandInTarget:
-    """What dflash.step reads of a Target (context, embed, lm_head, head_weight, mask_token_id), as random
-    tensors of a real target's shapes: a benchmark double. `like` shares another stand-in's values."""
-
-    def __init__(self, s: dict, device: torch.device, dtype: torch.dtype, layers: int, seed: int = 0,
-                 like: "StandInTarget | None" = None):
-        H, V = s["hidden"], s["vocab"]
-        self.hidden_size, self.vocab_size, self.mask_token_id = H, V, V - 1
-        if like is not None:
-            self._context, self.embedding, self.head_weight = (t.to(dtype) for t in
-                                                               (like._context, like.embedding, like.head_weight))
-            return
-        g = torch.Generator(device=device).manual_seed(seed)
-        self._context = torch.randn(s["batch"], s["seq"], layers * H, generator=g, device=device).to(dtype)
-        self.embedding = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
-        self.head_weight = (torch.randn(V, H, generator=g, device=device) * 0.02).to(dtype)
-
-    def context(self, input_ids, attention_mask=None):
-        return self._context
-
-    def embed(self, ids):
-        return F.embedding(ids, self.embedding)
-
-    def lm_head(self, hidden):
-        return hidden @ self.head_weight.T
-
-
-def drafter_config(s: dict, layers: int, block_size: int) -> DrafterConfig:
-    return DrafterConfig(hidden_size=s["hidden"], num_hidden_layers=layers, num_attention_heads=s["heads"],
-                         num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-                         intermediate_size=s["intermediate"], vocab_size=s["vocab"], block_size=block_size,
-                         num_target_layers=s["target_layers"],
-                         target_layer_ids=default_layer_ids(s["target_layers"], 5), mask_token_id=s["vocab"] - 1)
-
-
-def make_batch(s: dict, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
-    """Random ids, the second half of each sequence supervised; anchors sampled as the trainer samples."""
-    return collate_with_anchors(synthetic_items(s["batch"], s["seq"], s["vocab"]), s["anchors"], device)
+from dflash.model.drafter import DrafterConfig
+from dflash.train import flops
+from dflash.train.numerics import (STEP_VARIANTS, StandInTarget, compare, gradients, new_drafter, one_step,
+                                   reference_gradients)
+from dflash.train.shapes import STEP_SHAPES, drafter_config
+from dflash.train.synthetic import synthetic_batch
+from dflash.train.timing import free_memory, matmul_peak, sync
+from dflash.train.trainer import auto_precision
 
 
 def step_flops(dcfg: DrafterConfig, anchors: list[torch.Tensor], batch: dict) -> dict:
-    """Model FLOPs of the drafter micro-batch: forward+loss and backward (dflash.flops' formulas)."""
+    """Model FLOPs of the drafter micro-batch: forward+loss and backward (dflash.train.flops' formulas)."""
     items = [{"input_ids": ids, "loss_mask": mask} for ids, mask in zip(batch["input_ids"].cpu(), batch["loss_mask"].cpu())]
     drafter, head = flops.drafter_and_head_flops(dcfg, items, anchors)
     return {"forward": drafter / 3 + head / 2, "backward": 2 * drafter / 3 + head / 2, "drafter": drafter,
@@ -125,33 +61,8 @@ def step_flops(dcfg: DrafterConfig, anchors: list[torch.Tensor], batch: dict) ->
             "block_rows": sum(int(a.numel()) for a in anchors) * dcfg.block_size}
 
 
-def new_drafter(dcfg: DrafterConfig, device: torch.device, attention: str, compiled: bool,
-                state: dict | None = None) -> Drafter:
-    """The drafter of every variant: float32 master weights from `state` (or a seeded init)."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        drafter = Drafter(dcfg, attention=attention)
-    if state is not None:
-        drafter.load_state_dict(state)
-    return drafter.compile_layers() if compiled else drafter
-
-
-def one_step(drafter, target, batch, anchors, dcfg, autocast: torch.dtype, fused_head: bool, device):
-    """(forward+loss seconds, backward seconds): the trainer's micro-batch, a sync around each phase."""
-    d = distributed.Dist(rank=0, world_size=1, local_rank=0, device=device)
-    sync(device)
-    t0 = time.perf_counter()
-    sums = micro_batch_sums(drafter, target, batch, anchors, block_size=dcfg.block_size, gamma=None,
-                            autocast_dtype=autocast, fused_head=fused_head)
-    sync(device)
-    t1 = time.perf_counter()
-    backward(sums, d, grad_accum=1)
-    sync(device)
-    return t1 - t0, time.perf_counter() - t1
-
-
 def time_variant(name: str, dcfg, target, batch, anchors, args, device, state, peak) -> dict:
-    v = VARIANTS[name]
+    v = STEP_VARIANTS[name]
     drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
     autocast = auto_precision(device)
     fwd, bwd, added, absolute = [], [], 0, 0
@@ -169,7 +80,7 @@ def time_variant(name: str, dcfg, target, batch, anchors, args, device, state, p
                 absolute = max(absolute, torch.cuda.max_memory_allocated(device))
                 added = max(added, absolute - before)
     del drafter
-    free(device)
+    free_memory(device)
     f, b = statistics.median(fwd), statistics.median(bwd)
     fl = step_flops(dcfg, anchors, batch)
     row = {"variant": name, **v, "forward_s": f, "backward_s": b, "step_s": f + b,
@@ -182,55 +93,14 @@ def time_variant(name: str, dcfg, target, batch, anchors, args, device, state, p
     return row
 
 
-# ---- numerics ---------------------------------------------------------------------------------------
-def gradients(drafter) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().float().clone() for n, p in drafter.named_parameters() if p.grad is not None}
-
-
-def compare(grads: dict, ref: dict) -> dict:
-    """Cosine and relative L2 error (|g - ref| / |ref|) per parameter group, and over all parameters."""
-    out = {}
-    for group in (*GROUPS, "all"):
-        names = [n for n in ref if group in ("all", group_of(n))]
-        if not names:
-            continue
-        a = torch.cat([grads[n].flatten() for n in names]).double()
-        b = torch.cat([ref[n].flatten() for n in names]).double()
-        out[group] = {"cosine": float(a @ b / (a.norm() * b.norm()).clamp(min=1e-300)),
-                      "rel_l2": float((a - b).norm() / b.norm().clamp(min=1e-300)), "params": int(b.numel())}
-    return out
-
-
-def reference_gradients(dcfg, s, target, batch, anchors, device, state, dtype=torch.float32) -> dict:
-    """One micro-batch in `dtype` end to end: no autocast, no TF32, dense masked SDPA (memory-efficient
-    kernel on a GPU; the math kernel for float64), the head in checkpointed chunks of `dtype`."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    ref_target = StandInTarget(s, device, dtype, len(dcfg.target_layer_ids), like=target)
-    with torch.device(device):
-        drafter = Drafter(dcfg, attention="sdpa").to(dtype)
-    drafter.load_state_dict(state)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    backend = SDPBackend.MATH if dtype == torch.float64 or device.type != "cuda" else SDPBackend.EFFICIENT_ATTENTION
-    try:
-        with sdpa_kernel([backend]):
-            one_step(drafter, ref_target, batch, anchors, dcfg, dtype, False, device)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    grads = gradients(drafter)
-    del drafter, ref_target
-    free(device)
-    return grads
-
-
+# ---- numerics ----------------------------------------------------------------------------------------
 def numerics(dcfg, target, batch, anchors, args, device, state, names) -> dict:
     """Each variant's gradients against the fp32 reference; the reference against float64 at a small shape."""
     out = {}
-    small = dict(SHAPES["tiny"] if args.shape == "tiny" else SHAPES["small"], seq=256, anchors=16)
+    small = dict(STEP_SHAPES["tiny"] if args.shape == "tiny" else STEP_SHAPES["small"], seq=256, anchors=16)
     scfg = drafter_config(small, 2, dcfg.block_size)
     s_target = StandInTarget(small, device, torch.bfloat16, 5)
-    s_batch, s_anchors = make_batch(small, device)
+    s_batch, s_anchors = synthetic_batch(small, device)
     s_state = {k: v.double() for k, v in new_drafter(scfg, device, "sdpa", False).state_dict().items()}
     r64 = reference_gradients(scfg, small, s_target, s_batch, s_anchors, device, s_state, torch.float64)
     r32 = reference_gradients(scfg, small, s_target, s_batch, s_anchors, device,
@@ -240,12 +110,12 @@ def numerics(dcfg, target, batch, anchors, args, device, state, names) -> dict:
     ref = reference_gradients(dcfg, args.s, target, batch, anchors, device, state)
     autocast = auto_precision(device)
     for name in names:
-        v = VARIANTS[name]
+        v = STEP_VARIANTS[name]
         drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
         one_step(drafter, target, batch, anchors, dcfg, autocast, v["fused_head"], device)
         out[name] = compare(gradients(drafter), ref)
         del drafter
-        free(device)
+        free_memory(device)
     return out
 
 
@@ -260,7 +130,7 @@ def profile(name, dcfg, target, batch, anchors, args, device, state) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    v = VARIANTS[name]
+    v = STEP_VARIANTS[name]
     drafter = new_drafter(dcfg, device, args.attention, v["compiled"], state)
     autocast = auto_precision(device)
     for _ in range(2):
@@ -293,7 +163,7 @@ def profile(name, dcfg, target, batch, anchors, args, device, state) -> dict:
             torch.cuda.set_sync_debug_mode(0) if device.type == "cuda" else None
     syncs = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message).lower()]
     del drafter
-    free(device)
+    free_memory(device)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {"variant": name, "wall_ms": wall * 1e3, "gpu_busy_ms": busy, "families_ms": families,
             "top_kernels_ms": top, "host_syncs": len(syncs), "host_sync_messages": syncs[:10]}
@@ -319,8 +189,8 @@ def report(rows: list[dict], peak: float | None) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", default="27b", choices=sorted(SHAPES), help="target shape (and tokens, anchors)")
-    p.add_argument("--variants", default="before,fused-head,compiled,after", help=f"comma list of: {', '.join(VARIANTS)}")
+    p.add_argument("--shape", default="27b", choices=sorted(STEP_SHAPES), help="target shape (and tokens, anchors)")
+    p.add_argument("--variants", default="before,fused-head,compiled,after", help=f"comma list of: {', '.join(STEP_VARIANTS)}")
     p.add_argument("--device", default="auto", help="'auto' (cuda if there), 'cpu', 'cuda'")
     p.add_argument("--attention", default=None, help="drafter attention (default: flex on GPU, sdpa on CPU)")
     p.add_argument("--drafter-layers", type=int, default=5)
@@ -337,12 +207,12 @@ def main(argv=None) -> int:
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     profiled = [n.strip() for n in (args.profile or "").split(",") if n.strip()]
     for n in names + profiled:
-        if n not in VARIANTS:
-            p.error(f"unknown variant '{n}'; choose from {', '.join(VARIANTS)}")
+        if n not in STEP_VARIANTS:
+            p.error(f"unknown variant '{n}'; choose from {', '.join(STEP_VARIANTS)}")
     gpu = (args.device == "auto" and torch.cuda.is_available()) or args.device.startswith("cuda")
     device = torch.device("cuda") if gpu else torch.device("cpu")
     args.attention = args.attention or ("flex" if gpu else "sdpa")
-    s = dict(SHAPES[args.shape])
+    s = dict(STEP_SHAPES[args.shape])
     for key, arg in (("batch", args.batch_size), ("seq", args.seq_len), ("anchors", args.anchors)):
         if arg is not None:
             s[key] = arg
@@ -350,9 +220,9 @@ def main(argv=None) -> int:
     dcfg = drafter_config(s, args.drafter_layers, args.block_size)
     dtype = auto_precision(device)
     target = StandInTarget(s, device, dtype, len(dcfg.target_layer_ids))
-    batch, anchors = make_batch(s, device)
+    batch, anchors = synthetic_batch(s, device)
     state = {k: v.clone() for k, v in new_drafter(dcfg, device, args.attention, False).state_dict().items()}
-    free(device)
+    free_memory(device)
     peak = None
     if gpu:
         peak = matmul_peak(device)
@@ -367,7 +237,7 @@ def main(argv=None) -> int:
             row = time_variant(name, dcfg, target, batch, anchors, args, device, state, peak)
         except Exception as exc:  # one failing variant must not lose the others' figures
             row = {"variant": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-            free(device)
+            free_memory(device)
         print(json.dumps(row), flush=True)
         if "error" not in row:
             result["variants"].append(row)

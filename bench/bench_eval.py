@@ -3,7 +3,7 @@
     python bench/bench_eval.py --drafter DIR                  (make bench-eval DRAFTER=DIR; the demo target)
     python bench/bench_eval.py --target DIR --drafter DIR --data chat.jsonl --limit 16
 
-For each mode (cache on, cache off) `dflash.evaluate.evaluate` runs every prompt through speculative
+For each mode (cache on, cache off) `dflash.decode.evaluate.evaluate` runs every prompt through speculative
 decoding and then through plain greedy decoding by the target alone with the same caches, and reports
 tau, both rates and speed-up = spec tokens/s / greedy tokens/s. With no --target the cached demo target
 is used (built if missing) and its held-out demo conversations are the prompts (the ones after the
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from dflash.decode.evaluate import evaluate, load_for_eval  # noqa: E402
+from dflash.decode.evaluate import evaluate, load_for_eval
 
 
 def demo_prompts(tokenizer, n: int, trained_on: int, seed: int) -> list[list[int]]:

@@ -4,7 +4,7 @@
     python bench/bench_fit.py --preset large --seq-lens 1024,2048 --anchors 64,128   (smaller, for a try)
 
 For each variant (bench_train's: before = eager drafter layers and the checkpointed LM head chunks, after =
-compiled layers and the fused head), each sequence length of --seq-lens and each anchor count of
+compiled layers and the fused head: dflash.train.step's fused_head), each sequence length of --seq-lens and each anchor count of
 --anchors in increasing order, one full training micro-batch runs on --batch-size sequences: the
 target's forward, the drafter's forward and loss, the backward, the AdamW step (its state allocated
 beforehand, as in training). A size that runs out of memory ends that sequence length (larger anchor
@@ -19,24 +19,22 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.bench_train import (QWEN35_27B, HeadAsCallable, collate_with_anchors, free_memory,  # noqa: E402
-                               large_target, synthetic_items)
-from dflash import distributed  # noqa: E402
-from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from dflash.train.step import backward, micro_batch_sums  # noqa: E402
+from dflash import distributed
+from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.train.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
+from dflash.train.step import backward, micro_batch_sums
+from dflash.train.synthetic import collate_with_anchors, synthetic_items
+from dflash.train.timing import free_memory
 
 
-def one_micro_batch(drafter, opt, target, items, max_anchors: int, device) -> int:
+def one_micro_batch(drafter, opt, target, items, max_anchors: int, device, fused_head: bool) -> int:
     """Forward, backward and AdamW step of one micro-batch; returns the anchors it held."""
     d = distributed.Dist(rank=0, world_size=1, local_rank=0, device=device)
     batch, anchors = collate_with_anchors(items, max_anchors, device)
     sums = micro_batch_sums(drafter, target, batch, anchors, block_size=drafter.config.block_size, gamma=None,
-                            autocast_dtype=torch.bfloat16)
+                            autocast_dtype=torch.bfloat16, fused_head=fused_head)
     backward(sums, d, grad_accum=1)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -51,11 +49,11 @@ def fit(variant: str, target, args, device) -> list[dict]:
     if variant == "after":
         drafter.compile_layers()
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=True)
-    view = HeadAsCallable(target) if variant == "before" else target
+    fused_head = variant != "before"  # before: the LM head in checkpointed chunks
     seqs = [int(x) for x in args.seq_lens.split(",")]
     counts = [int(x) for x in args.anchors.split(",")]
-    one_micro_batch(drafter, opt, view, synthetic_items(args.batch_size, min(seqs), target.vocab_size),
-                    min(counts), device)  # AdamW state allocated before anything is measured
+    one_micro_batch(drafter, opt, target, synthetic_items(args.batch_size, min(seqs), target.vocab_size),
+                    min(counts), device, fused_head)  # AdamW state allocated before anything is measured
     rows = []
     for seq in seqs:
         items = synthetic_items(args.batch_size, seq, target.vocab_size)
@@ -65,7 +63,7 @@ def fit(variant: str, target, args, device) -> list[dict]:
             torch.cuda.reset_peak_memory_stats(device)
             row = {"variant": variant, "seq_len": seq, "batch_size": args.batch_size, "anchors_per_seq": n}
             try:
-                row["anchors"] = one_micro_batch(drafter, opt, view, items, n, device)
+                row["anchors"] = one_micro_batch(drafter, opt, target, items, n, device, fused_head)
                 row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 row["fits"] = True
             except torch.OutOfMemoryError:
@@ -96,7 +94,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU: what fits is a question about GPU memory")
     device = torch.device("cuda")
-    target = large_target(args, device, torch.bfloat16, QWEN35_27B if args.preset == "27b" else None)
+    shape = QWEN35_27B if args.preset == "27b" else scaled_qwen35_shape(args.hidden, args.layers, args.vocab)
+    target = random_target(shape, device, torch.bfloat16)
     total = torch.cuda.get_device_properties(device).total_memory / 1e9
     weights = sum(t.numel() * t.element_size() for t in target.model.parameters()) / 1e9
     rows = []

@@ -3,9 +3,9 @@
     python bench/bench_flex.py                      27B shape (q [2,24,16384,256], k/v [2,4,24576,256])
     python bench/bench_flex.py --shape small
 
-The drafter's attention (dflash.model, flex path) at a real shape: queries are the block rows, keys the
-context + block rows, the BlockMask is the drafter's (dflash.masks) for anchors sampled as the trainer
-samples them. For each configuration of the backward kernel (tile sizes BLOCK_M1/N1 for dK/dV, M2/N2 for
+The drafter's attention (dflash.model.drafter, flex path) at a real shape: queries are the block rows, keys the
+context + block rows, the BlockMask is the drafter's (dflash.model.masks) for anchors sampled as the
+trainer samples them (dflash.train.synthetic; shapes: dflash.train.shapes.STEP_SHAPES). For each configuration of the backward kernel (tile sizes BLOCK_M1/N1 for dK/dV, M2/N2 for
 dQ, pipeline stages, warps; torch's default for the device first), flex_attention is compiled with those
 kernel options and timed: median ms of forward, and of forward + backward, with CUDA events. Every
 configuration's output and gradients are compared with the default's (max |diff| / max |ref|), so a
@@ -19,16 +19,14 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.bench_drafter import SHAPES, make_batch  # noqa: E402
-from bench.bench_kernels import timed  # noqa: E402
-from dflash.train.blocks import build_blocks  # noqa: E402
-from dflash.model.masks import drafter_attention_mask  # noqa: E402
-from dflash.model.drafter import flex_block_mask  # noqa: E402
+from dflash.model.drafter import flex_block_mask
+from dflash.model.masks import drafter_attention_mask
+from dflash.train.blocks import build_blocks
+from dflash.train.shapes import STEP_SHAPES
+from dflash.train.synthetic import synthetic_batch
+from dflash.train.timing import timed
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps); None = torch's default for the device
 CONFIGS = [None, (64, 64, 64, 64, 2, 8), (64, 64, 64, 64, 3, 4), (32, 64, 64, 32, 3, 4), (32, 128, 128, 32, 2, 8),
@@ -45,7 +43,7 @@ def options(config) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="27b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="27b", choices=sorted(STEP_SHAPES))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
@@ -53,8 +51,8 @@ def main(argv=None) -> int:
 
     torch._dynamo.config.cache_size_limit = 64  # one compiled variant per configuration
     device = torch.device("cuda")
-    s = SHAPES[args.shape]
-    batch, anchors = make_batch(s, device)
+    s = STEP_SHAPES[args.shape]
+    batch, anchors = synthetic_batch(s, device)
     blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors, 16, s["vocab"] - 1)
     B, N = blocks.anchors.shape
     T, Q = s["seq"], N * 16

@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from images.build import build_image, build_toolkit, build_wheels
+from images.engine import client
+from wheelbuilder import targets as tg
 
-from images.build import build_image, build_toolkit, build_wheels  # noqa: E402
-from images.engine import client  # noqa: E402
-from wheelbuilder import targets as tg  # noqa: E402
 
 HEALTH = {"test": ["CMD", "dflash", "healthcheck"], "interval": 1_000_000_000, "timeout": 20_000_000_000,
           "retries": 1, "start_period": 300_000_000_000}

@@ -21,41 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from dflash.doctor.numerics import rel_error  # noqa: E402
-from dflash.model.target import kernel_functions  # noqa: E402
+from dflash.doctor.numerics import rel_error
+from dflash.model.target import kernel_functions
+from dflash.train.timing import timed
 
 MODES = {"all fast": {"fla", "causal_conv1d"}, "fla only": {"fla"}, "all fallbacks": set()}
-
-
-def timed(fn, device: torch.device, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() (CUDA events on a GPU, perf_counter on a CPU)."""
-    import time
-
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
 
 
 class Dispatch:

@@ -4,7 +4,7 @@
 
   1. export the image as an OCI archive and as a rootfs template (.tar.zst), timed; sizes beside the
      uncompressed rootfs tar
-  2. start a throwaway OpenSSH server on 127.0.0.1 (the test tier's helper) and upload each payload with
+  2. start a throwaway OpenSSH server on 127.0.0.1 (bench/loopback.py) and upload each payload with
      SSH compression off and on: the same code path as `push` (SFTP, sha256 on the host, atomic rename)
 and prints a table. Loopback has no network limit, so the rates measure SSH/SFTP and hashing cost, the
 floor of what a real link adds to; on a slow link, the template's zstd size is what matters.
@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from loopback import demo_image, start_sshd  # bench/loopback.py: a script's directory is first on sys.path
 
-from images import export, transfer  # noqa: E402
-from common.fsutil import sha256_file  # noqa: E402
-from tests.support.pct_double import sshd  # noqa: E402
-from tests.support.pct_double.demo_image import demo_image  # noqa: E402
+from common.fsutil import sha256_file
+from images import export, transfer
 
 
 def upload(server, payload: Path, dest: Path, compress: bool) -> tuple[float, float]:
@@ -43,7 +39,7 @@ def upload(server, payload: Path, dest: Path, compress: bool) -> tuple[float, fl
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image", help="image to export (default: the tests' demo image)")
+    p.add_argument("--image", help="image to export (default: a small demo image, bench/loopback.py)")
     p.add_argument("--zstd-level", type=int, default=10)
     a = p.parse_args()
     image = a.image or demo_image()
@@ -61,7 +57,7 @@ def main() -> int:
               f"{result.seconds['template']:>10.1f}")
         print(f"{'rootfs tar, uncompressed':<28}{raw.stat().st_size / 1e6:>10.1f}{'':>10}")
 
-        server = sshd.start(work / "sshd")
+        server = start_sshd(work / "sshd")
         try:
             print(f"\n{'payload':<28}{'ssh compression':>16}{'seconds':>10}{'MB/s':>8}")
             for name, payload in (("template .tar.zst", template), ("OCI archive", oci), ("rootfs tar", raw)):

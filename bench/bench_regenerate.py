@@ -5,7 +5,7 @@
 
 The server is a loopback ThreadingHTTPServer in its own process (so it does not share the client's GIL)
 that answers POST /v1/chat/completions in the OpenAI shape after sleeping --latency-ms. The client is
-the real run loop (dflash.regenerate_server.regenerate_via_server: thread pool, retries, one fsynced line
+the real run loop (dflash.regenerate.server.regenerate_via_server: thread pool, retries, one fsynced line
 per conversation) on single-turn conversations, one request each. It prints requests/s at each
 concurrency beside the ideal (concurrency / latency) and the ratio to the first, and the cost of one
 fsynced append on the output's file system, which bounds the rate from above.
@@ -23,10 +23,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dflash.regenerate.server import JsonlAppender, regenerate_via_server  # noqa: E402
-from dflash.regenerate.client import ChatClient  # noqa: E402
+from dflash.regenerate.server import JsonlAppender, regenerate_via_server
+from dflash.regenerate.client import ChatClient
 
 
 def serve(latency_s: float, port: multiprocessing.Value) -> None:

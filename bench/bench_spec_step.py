@@ -3,12 +3,12 @@
     python bench/bench_spec_step.py --preset 27b                 (one H200: random Qwen3.5-27B target, bf16)
     python bench/bench_spec_step.py --preset tiny --device cpu   (make bench-spec-step PRESET=tiny)
 
-The target is a random Qwen3.5 hybrid of the preset's shape (bench_train.large_target, built directly on
+The target is a random Qwen3.5 hybrid of the preset's shape (dflash.train.shapes.random_target, built on
 the device; bf16 on a GPU, fp32 on a CPU), the drafter a random one of the reference shape (27b: hidden
 5120, 5 layers, 32 heads x 128, 8 KV heads, intermediate 17408, block 16, tapped layers [1,16,31,46,61]).
-After a prefill of --prefill tokens through dflash.target_cache.TargetCache, each step below is timed
+After a prefill of --prefill tokens through dflash.decode.target_state.TargetCache, each step below is timed
 (CUDA events on a GPU, perf_counter on a CPU; median of --reps after --warmup untimed calls) with the
-functions dflash.spec_decode calls, in its order:
+functions dflash.decode.spec_decode calls, in its order:
 
   verify, accept all    TargetCache.forward([anchor, d1..d15], rollback_ready=True) (the tapped states
                         the drafter needs come out of the same pass), target.lm_head over the 16
@@ -35,22 +35,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
+from dflash.decode.evaluate import untrained_drafter
+from dflash.decode.proposers import DrafterProposer, Sampler
+from dflash.decode.spec_decode import accept_greedy
+from dflash.decode.target_state import TargetCache
+from dflash.model.drafter import DrafterConfig
+from dflash.model.target import Target
+from dflash.train.shapes import QWEN35_27B, random_target
+from dflash.train.timing import timed
 
-from bench.bench_kernels import timed  # noqa: E402
-from bench.bench_train import QWEN35_27B, large_target  # noqa: E402
-from dflash.decode.evaluate import untrained_drafter  # noqa: E402
-from dflash.model.drafter import DrafterConfig  # noqa: E402
-from dflash.decode.proposers import DrafterProposer, Sampler  # noqa: E402
-from dflash.decode.spec_decode import accept_greedy  # noqa: E402
-from dflash.model.target import Target  # noqa: E402
-from dflash.decode.target_state import TargetCache  # noqa: E402
-
-# target shape (bench_train.large_target's keys), drafter shape (DrafterConfig overrides), tapped layers
+# target shape (dflash.train.shapes' keys), drafter shape (DrafterConfig overrides), tapped layers
 PRESETS = {
     "27b": (QWEN35_27B,
             dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -66,7 +63,7 @@ PRESETS = {
 
 def build(preset: str, device: torch.device, dtype: torch.dtype):
     shape, drafter_shape, layer_ids = PRESETS[preset]
-    built = large_target(None, device, dtype, shape)
+    built = random_target(shape, device, dtype)
     target = Target(built.model, built.tokenizer, layer_ids=layer_ids, mask_token=2)
     config = DrafterConfig.from_target(target, **drafter_shape)
     with torch.device(device):

@@ -2,14 +2,14 @@
 
     python bench/bench_train.py                       demo target, then a larger random Qwen3.5 hybrid
     python bench/bench_train.py --presets 27b --variants before,after --json out.json   (one H200)
-    python -m bench.bench_train --presets large --hidden 4096 --layers 32 --vocab 248320
+    python bench/bench_train.py --presets large --hidden 4096 --layers 32 --vocab 248320
 
 Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized by --hidden/--layers/
 --vocab), 27b (a random target of Qwen3.5-27B's exact shape: 64 layers, hidden 5120, 26.9B parameters,
 54 GB in bf16). For each target and each --attention implementation of the drafter:
   1. throughput: `dflash.train.train` itself runs --steps optimizer steps on synthetic sequences (the
      first --warmup steps are not counted); tokens/s counts the real (unpadded) sequence tokens;
-  2. time split: the trainer's own micro-batch step (dflash.step: micro_batch_sums, backward) timed
+  2. time split: the trainer's own micro-batch step (dflash.train.step: micro_batch_sums, backward) timed
      phase by phase (CUDA synchronised before every clock read): target forward (blocks, context,
      block embeddings), drafter forward (+ head + loss), drafter backward (+ clip), optimizer step;
   3. model FLOPs utilisation (GPU): the step's model FLOPs (below) per second of the training loop,
@@ -37,44 +37,33 @@ drafter's 2x forward + the head's input-gradient product).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.bench_kernels import timed  # noqa: E402
 from dflash import distributed
-from dflash.train import flops  # noqa: E402
-from dflash.train.blocks import anchor_seed, build_blocks, sample_anchors  # noqa: E402
-from dflash.config import TrainConfig  # noqa: E402
-from dflash.model.masks import drafter_attention_mask  # noqa: E402
-from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from dflash.train.step import backward, micro_batch_sums  # noqa: E402
-from dflash.model.target import Target  # noqa: E402
-from dflash.train.trainer import attention_impl, auto_precision, compile_layers, precision, train  # noqa: E402
-
-# Qwen3.5-27B's text model (shared/research: 64 layers, 3 GatedDeltaNet : 1 full attention).
-QWEN35_27B = dict(hidden=5120, layers=64, vocab=248320, intermediate=17408, heads=24, kv_heads=4, head_dim=256,
-                  linear_k_heads=16, linear_v_heads=48)
-
+from dflash.config import TrainConfig
+from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.model.target import Target
+from dflash.train.flops import batch_flops
+from dflash.train.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
+from dflash.train.step import backward, micro_batch_sums
+from dflash.train.synthetic import collate_with_anchors, synthetic_items
+from dflash.train.timing import free_memory, matmul_peak, sync
+from dflash.train.trainer import attention_impl, auto_precision, compile_layers, precision, train
 
 VARIANTS = ("before", "after")
 
 
 class HeadAsCallable:
-    """The target with its LM head offered only as a callable (head_weight None), so dflash.step takes
+    """The target with its LM head offered only as a callable (head_weight None), so dflash.train.step takes
     the checkpointed chunks: the head of the 'before' variant. Everything else is the target's."""
 
     head_weight = None
@@ -86,92 +75,16 @@ class HeadAsCallable:
         return getattr(self._target, name)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> None:
-    """Drop what the last variant left behind before the next one allocates (a 27B target leaves little)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def demo_target(device: torch.device, dtype: torch.dtype) -> Target:
     from dflash.demo.target import build_demo_target
 
     return Target.load(build_demo_target(progress=True), device=device, dtype=dtype)
 
 
-def mrope_sections(head_dim: int) -> list[int]:
-    """Three M-RoPE sections covering head_dim x 0.25 (partial rotary) / 2 frequencies: 256 -> [11, 11, 10]."""
-    base, extra = divmod(head_dim // 8, 3)
-    return [base + (i < extra) for i in range(3)]
-
-
 def large_target(args, device: torch.device, dtype: torch.dtype, shape: dict | None = None) -> Target:
-    """A random Qwen3.5 hybrid (3 GatedDeltaNet : 1 full attention) of the given size, built on `device`."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    H = args.hidden if shape is None else shape["hidden"]
-    s = shape or dict(hidden=H, layers=args.layers, vocab=args.vocab, intermediate=3 * H, heads=max(1, H // 128),
-                      kv_heads=max(1, min(4, H // 128)), head_dim=128, linear_k_heads=max(1, H // 256),
-                      linear_v_heads=max(1, H // 128))
-    L = s["layers"]
-    config = Qwen3_5TextConfig(
-        vocab_size=s["vocab"], hidden_size=H, intermediate_size=s["intermediate"], num_hidden_layers=L,
-        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)],
-        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-        linear_num_key_heads=s["linear_k_heads"], linear_num_value_heads=s["linear_v_heads"],
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": mrope_sections(s["head_dim"]),
-                         "mrope_interleaved": True},
-        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3_5ForCausalLM._from_config(config, dtype=dtype)
-    tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=1, mask_token_id=None)
-    return Target(model, tokenizer, mask_token=2)
-
-
-def matmul_peak(device: torch.device, n: int = 8192, reps: int = 10) -> float:
-    """bf16 TFLOP/s of n^3 matrix products on random data (median of `reps` after 3 warm-ups)."""
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    return 2 * n ** 3 / (timed(lambda: a @ b, device, reps, warmup=3) / 1e3) / 1e12
-
-
-def model_flops(target, dcfg: DrafterConfig, input_ids, attention_mask, blocks) -> dict:
-    """Model FLOPs of one micro-batch step, by part (dflash.flops: the formulas the trainer's MFU uses),
-    with the drafter's visible query-key pairs counted exactly from its dense mask."""
-    T = input_ids.shape[1]
-    lengths = [int(n) for n in attention_mask.sum(1).tolist()]
-    tokens = sum(lengths)
-    target_f = flops.target_forward_flops(target, lengths)
-    bs = dcfg.block_size
-    rows = int(blocks.anchor_valid.sum()) * bs
-    mask = drafter_attention_mask(blocks.anchors, T, bs, attention_mask.bool(), blocks.anchor_valid)
-    valid_rows = blocks.anchor_valid.repeat_interleave(bs, dim=1)
-    pairs = float(mask[valid_rows].sum())
-    drafter_f = flops.drafter_flops(dcfg, tokens, rows, pairs)
-    head_f = flops.head_flops(dcfg, int(blocks.label_valid.sum()))
-    dense_pairs = rows * (T + blocks.anchors.shape[1] * bs)
-    return {"target_forward": target_f, "drafter": drafter_f, "lm_head": head_f,
-            "total": target_f + drafter_f + head_f, "tokens": tokens,
-            "drafter_mask_density": pairs / max(1, dense_pairs)}
-
-
-def synthetic_items(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
-    """`n` sequences of `seq_len` random tokens; the second half is the supervised "answer"."""
-    g = torch.Generator().manual_seed(seed)
-    items = []
-    for _ in range(n):
-        mask = torch.zeros(seq_len, dtype=torch.long)
-        mask[seq_len // 2:] = 1
-        items.append({"input_ids": torch.randint(3, vocab, (seq_len,), generator=g), "loss_mask": mask})
-    return items
+    """A random Qwen3.5 hybrid (3 GatedDeltaNet : 1 full attention) of `shape`, or sized by --hidden/--layers/
+    --vocab (dflash.train.shapes.scaled_qwen35_shape), built on `device`."""
+    return random_target(shape or scaled_qwen35_shape(args.hidden, args.layers, args.vocab), device, dtype)
 
 
 def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
@@ -193,32 +106,16 @@ def throughput(target, items, cfg: TrainConfig, warmup: int) -> dict:
             "final_loss": result.history[-1]["loss"], "losses": [m["loss"] for m in result.history]}
 
 
-def collate_with_anchors(items: list[dict], max_anchors: int, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
-    """(batch on the device, anchors) of these items, the anchors sampled as the trainer samples them."""
-    from dflash.data.batches import collate
-
-    batch = {k: v.to(device) for k, v in collate(items, 0).items()}
-    anchors = [sample_anchors(it["loss_mask"], max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))
-               for i, it in enumerate(items)]
-    return batch, anchors
-
-
 def first_micro_batch(target, items, cfg: TrainConfig):
     """(batch on the device, anchors, drafter config) of the loop's first micro-batch, as the trainer makes them."""
-    batch, anchors = collate_with_anchors(items[: cfg.batch_size], cfg.max_anchors, target.device)
-    dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.drafter_layers, block_size=cfg.block_size)
+    batch, anchors = collate_with_anchors(items[: cfg.optim.batch_size], cfg.model.max_anchors, target.device)
+    dcfg = DrafterConfig.from_target(target, num_hidden_layers=cfg.model.drafter_layers,
+                                     block_size=cfg.model.block_size)
     return batch, anchors, dcfg
 
 
-def batch_flops(target, batch: dict, anchors: list[torch.Tensor], dcfg: DrafterConfig) -> dict:
-    """model_flops of a micro-batch (the MFU's numerator)."""
-    blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, dcfg.block_size,
-                          target.mask_token_id)
-    return model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
-
-
 def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = None) -> dict:
-    """Median seconds per phase of one micro-batch step: dflash.step's functions, as the trainer calls
+    """Median seconds per phase of one micro-batch step: dflash.train.step's functions, as the trainer calls
     them, with the clock read (after a CUDA sync) between the phases."""
     device = target.device
     d = distributed.Dist(rank=0, world_size=1, local_rank=0, device=device)  # this process alone
@@ -227,7 +124,7 @@ def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = 
     drafter = Drafter(dcfg, attention=attention_impl(cfg, device, dcfg.head_dim)).to(device)
     if compile_layers(cfg, device):
         drafter.compile_layers()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, fused=device.type == "cuda")
     phases: dict[str, list[float]] = {"target forward": [], "drafter forward": [], "drafter backward": [],
                                       "optimizer step": []}
     for rep in range(reps + 1):
@@ -238,10 +135,10 @@ def time_split(target, items, cfg: TrainConfig, reps: int, peak: float | None = 
             stamps[phase] = time.perf_counter()
 
         mark("start")
-        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=cfg.block_size, gamma=cfg.gamma,
-                                autocast_dtype=precision(cfg, device), mark=mark)
+        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=cfg.model.block_size,
+                                gamma=cfg.model.gamma, autocast_dtype=precision(cfg, device), mark=mark)
         backward(sums, d, grad_accum=1)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
         mark("drafter backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -289,7 +186,7 @@ def bench_one(name: str, target, args, device, attention: str, variant: str, pea
 
 def _bench_in(name: str, target, args, device, seq: int, out: str, attention: str, variant: str,
               peak: float | None) -> dict:
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
         max_length=max(seq, 2 * args.block_size), max_tokens=max(seq, 2 * args.block_size) * args.batch_size,
         batch_size=args.batch_size, max_anchors=args.anchors, max_steps=args.steps + args.warmup, epochs=0,

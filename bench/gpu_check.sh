@@ -88,7 +88,7 @@ mv "$PREFIX.removed"/* "$PREFIX"/ && rmdir "$PREFIX.removed"
 
 # 4-6. the GPU tests, then the benchmarks
 # shellcheck disable=SC2046
-step pytest-gpu 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -l "mark.gpu" "$REPO"/tests/test_*.py)
+step pytest-gpu 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -rl --include='test_*.py' "mark.gpu" "$REPO"/tests)
 step kernels 100 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
 # shellcheck disable=SC2086
 step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \

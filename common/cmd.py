@@ -1,9 +1,14 @@
 """One subprocess wrapper: prints `+ cmd`, checks the executable exists, tees output to a log file,
 and raises a typed error naming the log on failure.
 
-The child runs in its own process group (its own session), and whatever ends the wait early
-(Ctrl-C, SIGTERM via common.cli.Terminated, any exception) kills that whole group, pip and every compiler
-it started included, before the exception goes on: no child outlives the command that started it."""
+The child runs in its own session, and whatever ends the wait early (Ctrl-C, SIGTERM via
+common.cli.Terminated, any exception) stops every process of that session, pip and every compiler it
+started included, before the exception goes on: no child outlives the command that started it.
+
+The session, not the child's process group, is what holds them all: ninja puts each compile job in a
+process group of its own (so that a terminal's Ctrl-C reaches only ninja), and stops its jobs only once
+it has caught the signal itself. `kill_group` therefore signals every process of the session, waits until
+none is left (pip, the leader, exits long before ninja's jobs do), and only then returns."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -31,24 +37,64 @@ def require_tool(tool: str, why: str, error: type[FatalError] = ToolchainError) 
     return found
 
 
-def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """SIGTERM to the child's process group, SIGKILL to it after `grace` seconds; reaps the child."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+def session_members(sid: int) -> list[int]:
+    """The live processes (zombies excluded) of session `sid`, read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # the group is gone already
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # it ended while we looked
             continue
-        # The leader has exited; its children (compilers started by pip) may still run in the group.
+        # fields: state, ppid, pgrp, session, ... (proc(5)); Z and X are dead, waiting to be reaped
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # it ended since it was listed
             pass
-        break
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 5.0, poll: float = 0.05) -> None:
+    """Stop `proc` (started with start_new_session=True) and every process of its session: SIGTERM to
+    each (once; those started meanwhile get theirs when they appear), SIGKILL to whatever is left after
+    `grace` seconds. Returns only once no process of the session is alive and the child is reaped.
+
+    A second Ctrl-C or SIGTERM during the grace skips the rest of it; it is raised once the session is
+    empty (a SIGKILLed process is gone within moments), so the caller's clean-up still runs after."""
+    sid = proc.pid
+    pending: BaseException | None = None
+    termed: set[int] = set()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            left = session_members(sid)
+            if not left:
+                break
+            _signal_all([p for p in left if p not in termed], signal.SIGTERM)
+            termed.update(left)
+            proc.poll()  # reap the leader once it exits (the others are reaped by their own parents)
+            time.sleep(poll)
+        except BaseException as e:  # impatience: straight to SIGKILL
+            pending = e
+            break
+    while True:
+        try:
+            left = session_members(sid)
+            if not left:
+                break
+            _signal_all(left, signal.SIGKILL)
+            proc.poll()
+            time.sleep(poll)
+        except BaseException as e:  # finish the (short) wait first, then let the interruption go on
+            pending = pending or e
     proc.wait()
+    if pending is not None:
+        raise pending
 
 
 def run(

@@ -1,7 +1,7 @@
 """The base of every error of the project's programs, and the exit codes below 8 they share.
 
 Each program keeps one error family with its own codes (wheelbuilder/errors.py 1-7, images/errors.py
-8-16, dflash/errors.py 1-9); all of them derive from `FatalError`, so one frame (`common.cli.run_cli`)
+8-16, dflash/errors.py 1-10); all of them derive from `FatalError`, so one frame (`common.cli.run_cli`)
 turns any of them into its message and exit code. The classes here are the ones the shared primitives
 (`common.fsutil`, `common.cmd`) raise:
 

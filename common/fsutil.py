@@ -80,11 +80,12 @@ def source_date_epoch() -> int:
 
 
 @contextmanager
-def exclusive(directory: Path, what: str = "build"):
-    """Hold `directory/.build.lock` for the duration: a second writer fails fast instead of
-    interleaving its writes with the first one's. The file keeps the holder's pid for the message."""
+def exclusive(directory: Path, what: str = "build", *, lock_name: str = ".build.lock", error: type = BusyError):
+    """Hold `directory/<lock_name>` for the duration: a second writer fails fast (raising `error`, a
+    BusyError by default) instead of interleaving its writes with the first one's. The file keeps the
+    holder's pid for the message."""
     directory.mkdir(parents=True, exist_ok=True)
-    lock_path = directory / ".build.lock"
+    lock_path = directory / lock_name
     # "a+" rather than "w": opening must not empty the holder's pid before we know we hold the lock.
     with open(lock_path, "a+") as lock:
         try:
@@ -92,7 +93,7 @@ def exclusive(directory: Path, what: str = "build"):
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "unknown"
-            raise BusyError(
+            raise error(
                 f"another {what} is using {directory} (lock {lock_path} is held by pid {holder}). Wait for it "
                 "to finish, or give this one another directory; two at once would overwrite each other."
             ) from None

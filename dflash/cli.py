@@ -16,8 +16,8 @@
 a first argument naming a subcommand is dispatched like `dflash <subcommand>`.
 
 This module only parses and dispatches. Every `*_main(argv) -> int` returns an exit code; a DflashError
-(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6, drafter 7, server 8) prints one
-clear message instead of a traceback and exits with its code.
+(dflash.errors: bad options 2, checkpoint 3, training 4, target 5, data 6, drafter 7, server 8, --out in use
+by another run 10) prints one clear message instead of a traceback and exits with its code.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from common.cli import DefaultsOnceHelpFormatter, add_version, project_version, run_cli
 
-from dflash.config import add_arguments, from_args
+from dflash.config import TrainConfig, add_arguments, from_args
 from dflash.errors import ConfigError, TrainError
 
 def _framed(prog: str, fn, argv) -> int:
@@ -56,6 +55,14 @@ def train_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def train_config(argv: list[str]) -> TrainConfig:
+    """The TrainConfig that `dflash-train ARGV` runs with (flags, --config file, demo defaults, and with
+    --resume the config stored in --out)."""
+    from dflash.train.rundir import read_stored_config
+
+    return from_args(train_parser().parse_args(argv), read_stored_config)
+
+
 # A write that fails for one of these reasons fails because of the disk, not because of what was written.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
@@ -63,8 +70,9 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 def _disk_error(exc: OSError, out) -> TrainError:
     """The TrainError of a run whose output disk refused a write (full, over quota, read-only)."""
     from dflash.train.checkpoint import read_latest
+    from dflash.train.rundir import RunDir
 
-    latest = read_latest(Path(out) / "checkpoints")
+    latest = read_latest(RunDir(out).checkpoints)
     where = f" ({exc.filename})" if exc.filename else ""
     then = (f"then continue from its last checkpoint ({latest}) with --resume" if latest else
             "then run it again (it had written no checkpoint yet)")
@@ -73,7 +81,7 @@ def _disk_error(exc: OSError, out) -> TrainError:
 
 
 def _train(argv) -> int:
-    config = from_args(train_parser().parse_args(argv))
+    config = train_config(argv)
     if config.is_demo:
         from dflash.demo.pipeline import run_demo
         return run_demo(config)
@@ -83,7 +91,7 @@ def _train(argv) -> int:
     except OSError as exc:  # metrics.jsonl, trackers, the report: writes of the run that no error wraps
         if exc.errno not in DISK_ERRNOS:
             raise
-        error = _disk_error(exc, config.out)
+        error = _disk_error(exc, config.io.out)
         logging.getLogger("dflash.train").error("stopped: %s", error)  # in train.log too, when it can be written
         raise error from None
 

@@ -16,11 +16,12 @@ RuntimeError), so callers that catch those still do.
     7  DrafterError     a drafter directory cannot be read, or does not fit the target
     8  ServerError      an inference server failed requests after every retry (`dflash regenerate --endpoint`)
     9  ChatTemplateError the target's chat template gives no way to locate assistant turns (a DataError)
+   10  RunDirBusy       another dflash-train run holds the lock on the same --out (also a common BusyError)
 """
 
 from __future__ import annotations
 
-from common.errors import FatalError
+from common.errors import BusyError, FatalError
 
 
 class DflashError(FatalError):
@@ -77,3 +78,10 @@ class ChatTemplateError(DataError):
     marker, turns not starting with the generation prompt); the message names the template."""
 
     exit_code = 9
+
+
+class RunDirBusy(DflashError, BusyError):
+    """Another run holds the lock on the same run directory (--out); the message names the holder's pid.
+    Code 10, not common.errors' 7: 7 is DrafterError in this family."""
+
+    exit_code = 10

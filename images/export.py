@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.fsutil import source_date_epoch
+from common.fsutil import exclusive, source_date_epoch
 
 from .errors import ExportError
 from .imageinfo import inspect_image
@@ -37,20 +37,23 @@ def export(image: str, fmt: str, out_dir: Path, *, epoch: int | None = None, lev
     """Export `image` as 'oci', 'template' or 'both'; each artifact gets its JSON record."""
     if fmt not in ("oci", "template", "both"):
         raise ExportError(f"--format '{fmt}' is not one of oci, template, both.")
-    info = inspect_image(image)
-    result = ExportResult()
-    for kind in (("oci", "template") if fmt == "both" else (fmt,)):
-        t0 = time.monotonic()
-        if kind == "oci":
-            path = export_oci(info, out_dir)
-            extra = {}
-        else:
-            e = source_date_epoch() if epoch is None else epoch
-            path, libcuda = export_template(info, out_dir, epoch=e, level=level, progress=progress)
-            extra = {"source_date_epoch": e, "zstd_level": level, "libcuda_in_image": libcuda}
-        result.seconds[kind] = time.monotonic() - t0
-        result.artifacts.append(path)
-        result.records.append(write_record(path, info, kind, **extra))
+    # One export per output directory at a time: two would write the same temporary names
+    # (.NAME.tmp) and rename each other's half-written files into place. A second one is refused (7).
+    with exclusive(Path(out_dir), "export"):
+        info = inspect_image(image)
+        result = ExportResult()
+        for kind in (("oci", "template") if fmt == "both" else (fmt,)):
+            t0 = time.monotonic()
+            if kind == "oci":
+                path = export_oci(info, out_dir)
+                extra = {}
+            else:
+                e = source_date_epoch() if epoch is None else epoch
+                path, libcuda = export_template(info, out_dir, epoch=e, level=level, progress=progress)
+                extra = {"source_date_epoch": e, "zstd_level": level, "libcuda_in_image": libcuda}
+            result.seconds[kind] = time.monotonic() - t0
+            result.artifacts.append(path)
+            result.records.append(write_record(path, info, kind, **extra))
     return result
 
 

@@ -7,6 +7,7 @@ the `pct` command lines and config lines that realise it (formats of pve-contain
             CTID in use without --replace, OCI on PVE < 9.1, missing/inactive/full storage,
             GPUs asked for but none (or no driver), host driver too old for the image's CUDA
     render  pct create ... / pct set --devN ... / raw lxc.* lines appended to /etc/pve/lxc/CTID.conf
+            (GPU nodes and driver libraries; a sized /dev/shm and the loopback for every container)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ OCI_MIN_PVE = Version("9.1")  # pve-container >= 6.0.15 restores OCI archives
 PULL_MIN_PVE = OCI_MIN_PVE
 DEV_MIN_PVE = Version("8.2")  # devN passthrough (pve-container >= 5.0.7)
 FEATURES = ("nesting", "keyctl", "fuse", "mknod", "mount", "force_rw_sys")
+CTID_MIN, CTID_MAX = 100, 999_999_999  # pve-vmid (pve-common): VMs and containers share one ID range
+LOOPBACK_NET = 99  # lxc.net.<n> of the raw `empty` network that brings lo up; PVE writes net0..net31
 
 
 @dataclass(frozen=True)
@@ -110,16 +113,29 @@ class ContainerPlan:
     gpus: str = "all"
     replace: bool = False
     entrypoint: str | None = None  # PVE >= 9.1 (OCI): overrides the image's Entrypoint/Cmd after create
+    shm_mb: int | None = None  # the /dev/shm tmpfs; None: half of memory_mb
+
+    @property
+    def shm_size_mb(self) -> int:
+        return self.shm_mb if self.shm_mb is not None else max(1, self.memory_mb // 2)
 
     @property
     def volid(self) -> str:
         return f"{self.template_storage}:vztmpl/{self.template}"
 
 
+def check_ctid(ctid: int) -> None:
+    """Proxmox guest IDs run from 100 to 999999999 (the `pve-vmid` format of pve-common's JSONSchema.pm;
+    IDs below 100 are reserved). Checked before any connection: no host would take another."""
+    if not CTID_MIN <= ctid <= CTID_MAX:
+        raise HostError(f"CTID {ctid} is out of range: Proxmox container IDs run from {CTID_MIN} to {CTID_MAX} "
+                        f"(below {CTID_MIN} they are reserved). Pick a free ID in that range (`pct list` or "
+                        "`pvesh get /cluster/nextid` on the host).")
+
+
 def check_plan(plan: ContainerPlan, facts: HostFacts, image_cuda: str | None) -> list[gpu.NvidiaDevice]:
     """Refuse what cannot work, with the fix; return the GPU device nodes to pass through."""
-    if not 100 <= plan.ctid <= 999_999_999:
-        raise HostError(f"CTID {plan.ctid} is out of range; Proxmox IDs run from 100 to 999999999.")
+    check_ctid(plan.ctid)
     if plan.ctid in facts.ctids and not plan.replace:
         raise HostError(f"CTID {plan.ctid} is already in use on the host. Pick a free ID (`pct list` shows the "
                         "used ones) or pass --replace to destroy that container and its volumes first.")
@@ -130,6 +146,10 @@ def check_plan(plan: ContainerPlan, facts: HostFacts, image_cuda: str | None) ->
         raise HostError("--entrypoint only applies to OCI containers (PVE >= 9.1); a template container starts "
                         "its /sbin/init. Drop --entrypoint or use --format oci.")
     _check_features(plan.features, plan.unprivileged)
+    if plan.shm_mb is not None and not 1 <= plan.shm_mb <= plan.memory_mb:
+        raise HostError(f"--shm-size {plan.shm_mb} MiB is outside 1..{plan.memory_mb} (--memory): /dev/shm is a tmpfs "
+                        "whose pages count against the container's memory. Pass a size in MiB up to --memory, or "
+                        "leave it out for half of --memory.")
     wanted: dict[str, int] = {}  # GB per storage: rootfs and data volume may share one
     for name, gb in ((plan.template_storage, 0), (plan.rootfs_storage, plan.rootfs_gb),
                      (plan.data_storage, plan.data_gb)):
@@ -202,6 +222,19 @@ def render_set(plan: ContainerPlan, facts: HostFacts, devices: list[gpu.NvidiaDe
             args += [f"--{key}", value]
         cmds.append(["pct", "set", str(plan.ctid), *args])
     return cmds
+
+
+def render_ipc_config(plan: ContainerPlan) -> list[str]:
+    """Raw lxc.* lines for what multi-process training needs and `--ostype unmanaged` sets up nowhere:
+
+    - /dev/shm: a tmpfs of plan.shm_size_mb (DataLoader workers, NCCL's shared-memory transport,
+      multiprocessing locks). pve-container >= 6.1.10 mounts an unsized one for OCI application
+      containers only; raw lines come after its own, so this one is on top.
+    - the loopback: an `empty` network with flags up is how LXC brings `lo` up without help from the
+      container's init (an OCI entrypoint runs as the image's user). Its index is above PVE's net0..net31,
+      so it never takes the place of a netN, now or after a later `pct set --netN`."""
+    return [f"lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir,size={plan.shm_size_mb}M 0 0",
+            f"lxc.net.{LOOPBACK_NET}.type: empty", f"lxc.net.{LOOPBACK_NET}.flags: up"]
 
 
 def render_raw_config(facts: HostFacts, devices: list[gpu.NvidiaDevice]) -> list[str]:

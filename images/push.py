@@ -67,6 +67,8 @@ def say(msg: str) -> None:
 
 
 def push(o: PushOptions) -> PushReport:
+    proxmox.check_ctid(o.ctid)  # what is wrong in the options themselves: refused before any connection
+    transfer.parse_target(o.host)
     report = PushReport()
     ref = registry.parse_reference(o.from_registry) if o.from_registry else None
     info, layers = registry_image(ref, o.ca_cert) if ref else (inspect_image(o.image), [])
@@ -115,7 +117,7 @@ def push(o: PushOptions) -> PushReport:
             commands += [["pct", "stop", str(plan.ctid)], ["pct", "destroy", str(plan.ctid), "--purge"]]
         commands.append(proxmox.render_create(plan))
         commands += proxmox.render_set(plan, facts, devices)
-        raw = proxmox.render_raw_config(facts, devices)
+        raw = proxmox.render_ipc_config(plan) + proxmox.render_raw_config(facts, devices)
         conf = f"{o.pve_config_dir.rstrip('/')}/{plan.ctid}.conf"
         for argv in commands:
             _run(host, argv, o.dry_run, report, check=argv[1] != "stop")
@@ -263,7 +265,8 @@ def _cmd_push(args: argparse.Namespace) -> int:
                 rootfs_storage=args.rootfs_storage, rootfs_gb=args.rootfs_size, data_storage=args.data_storage,
                 data_gb=args.data_size, data_path=args.data_path, features=args.features,
                 unprivileged=not args.privileged, net0=args.net0 or None, gpus=args.gpus,
-                replace=args.replace, template_storage=args.storage, entrypoint=args.entrypoint)
+                replace=args.replace, template_storage=args.storage, entrypoint=args.entrypoint,
+                shm_mb=args.shm_size)
     opts = PushOptions(host=args.host, ctid=args.ctid, image=export.image_from_args(args), format=args.format, out_dir=Path(args.out_dir),
                        port=args.port, identity=args.identity, known_hosts=args.known_hosts,
                        accept_new_host_key=args.accept_new_host_key, compress=args.compress, force=args.force,
@@ -277,9 +280,16 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _ctid(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"CTID '{text}' is not a number (Proxmox IDs are 100..999999999)")
-    return int(text)
+    try:
+        ctid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"CTID '{text}' is not a whole number; Proxmox container IDs run from "
+                                         f"{proxmox.CTID_MIN} to {proxmox.CTID_MAX}") from None
+    try:
+        proxmox.check_ctid(ctid)
+    except HostError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return ctid
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -313,6 +323,8 @@ def register(subparsers) -> None:
     ct.add_argument("--cores", type=int, default=8)
     ct.add_argument("--memory", type=int, default=65536, help="MiB")
     ct.add_argument("--swap", type=int, default=0, help="MiB")
+    ct.add_argument("--shm-size", type=int, default=None,
+                    help="MiB of the /dev/shm tmpfs (DataLoader workers, NCCL); default: half of --memory")
     ct.add_argument("--storage", default="local", help="template storage (vztmpl content)")
     ct.add_argument("--rootfs-storage", default="local-lvm")
     ct.add_argument("--rootfs-size", type=int, default=64, help="GB")

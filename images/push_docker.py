@@ -121,6 +121,7 @@ def check_host(host: transfer.SshHost) -> str:
 
 
 def push_docker(o: PushDockerOptions) -> PushDockerReport:
+    transfer.parse_target(o.host)  # a malformed --host is refused before anything else
     try:
         info = inspect_image(o.image)
     except ExportError:

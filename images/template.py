@@ -11,7 +11,10 @@ as files:
     /etc/profile.d/dflash.sh    export KEY='VALUE' ...   (sourced by the wrappers below)
     /usr/local/bin/dflash-env   runs "$@" with that environment, in WORKDIR, as USER   (scripts/dflash-env.sh)
     /usr/local/bin/<program>    for the entrypoint's program and `dflash`: dflash-env /abs/path "$@"
-    /sbin/init                  only when the image has none: waits for the halt signal   (scripts/init.sh)
+    /etc/hosts                  only when the image's is empty or missing (`docker export` leaves Docker's empty
+                                placeholder): localhost -> 127.0.0.1 and ::1, for torchrun and servers on localhost
+    /sbin/init                  only when the image has none: mounts a /dev/shm tmpfs ($DFLASH_SHM_SIZE, default
+                                half the memory), brings `lo` up, then waits for the halt signal   (scripts/init.sh)
 
 The template is written under a temporary name in the output directory and renamed when complete.
 """
@@ -38,6 +41,8 @@ from .imageinfo import ImageInfo, docker_client
 
 WRAPPED_PROGRAMS = ("dflash", "dflash-train")  # besides the entrypoint's own program
 INIT_PROGRAMS = ("tini", "dumb-init", "--")  # entrypoint prefixes that are not the program itself
+# What a distribution's /etc/hosts says about the loopback; pct --ostype unmanaged writes no /etc/hosts.
+ETC_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 # Shell scripts written into the rootfs, kept as files in the package (images/scripts/).
 _SCRIPTS = resources.files("images").joinpath("scripts")
@@ -64,6 +69,9 @@ def carried_files(info: ImageInfo, members: dict[str, tarfile.TarInfo],
         wrapper = f"./usr/local/bin/{os.path.basename(prog)}"
         if real and "." + real != wrapper:
             files[wrapper] = (f'#!/bin/sh\nexec /usr/local/bin/dflash-env {shlex.quote(real)} "$@"\n'.encode(), 0o755)
+    hosts = members.get(through_links("./etc/hosts", members))
+    if hosts is None or (hosts.isfile() and hosts.size == 0):
+        files["./etc/hosts"] = (ETC_HOSTS.encode(), 0o644)
     init = through_links("./sbin/init", members)
     if init not in members:
         files[init] = (INIT_SHIM.encode(), 0o755)

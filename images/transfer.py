@@ -15,18 +15,28 @@ On the host, for a file NAME in DIR:
 
 from __future__ import annotations
 
+import logging
+import re
 import shlex
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko
 from tqdm import tqdm
 
+from common.errors import ConfigurationError
 from common.fsutil import sha256_file
 
 from .errors import HostKeyError, TransferError
+
+# paramiko's transport thread logs every failure with its traceback (logger "paramiko.transport"); with no
+# handler anywhere, Python's last-resort handler printed them to stderr ahead of this module's message.
+# Each failure reaches the caller as an exception, which says it once; a program that configures logging
+# still gets paramiko's records.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 CHUNK = 1 << 20
 SPACE_MARGIN = 64 << 20  # keep this much free on the host after the upload
@@ -41,10 +51,21 @@ class RunResult:
 
 
 def parse_target(target: str) -> tuple[str, str]:
-    """'root@pve' -> ('root', 'pve'); a bare host means root (pct needs root)."""
+    """'root@pve' -> ('root', 'pve'); a bare host means root (pct needs root). A port written into the
+    host (root@pve:2223, root@[::1]:2223) is refused: it goes to --port, and would otherwise be looked up
+    as part of the host name."""
     user, _, host = target.rpartition("@")
     if not host:
         raise TransferError(f"--host '{target}' names no host; use USER@HOST, e.g. root@pve.")
+    m = re.fullmatch(r"\[(.+)\]:(\d*)", host) or (re.fullmatch(r"([^:]+):(\d*)", host))
+    if m:
+        name, port = m.groups()
+        raise ConfigurationError(
+            f"--host '{target}' puts a port into the host; the port goes to its own option: "
+            f"--host {user or 'root'}@{name} --port {port or 'PORT'}.")
+    if host.startswith("["):  # [::1] without a port: the brackets are not part of the address
+        raise ConfigurationError(f"--host '{target}': write an IPv6 address without brackets "
+                                 f"({host.strip('[]')}); the port goes to --port.")
     return user or "root", host
 
 
@@ -89,9 +110,18 @@ class SshHost:
                     f"(ssh -p {port} {target} once, or ssh-keyscan) or pass --accept-new-host-key to trust "
                     "and record it on first use."
                 ) from None
+            if "protocol banner" in str(e):  # something listens there, but not sshd
+                raise TransferError(
+                    f"{self.hostname} port {port} answered, but not as an SSH server ({e}: it closed the "
+                    "connection or sent no SSH greeting). Check --port: which port does sshd listen on there "
+                    "(Port in /etc/ssh/sshd_config, `ss -tlnp` on the host)?") from None
             raise TransferError(f"SSH to {target} port {port} failed: {e}") from None
+        except socket.gaierror as e:
+            raise TransferError(f"cannot resolve the host name '{self.hostname}' ({e.strerror or e}); check "
+                                "--host (USER@HOST), or use the host's IP address.") from None
         except (OSError, socket.timeout) as e:
-            raise TransferError(f"cannot connect to {target} port {port}: {e}. Is sshd running there?") from None
+            raise TransferError(f"cannot connect to {target} port {port}: {e}. Is sshd running there, on "
+                                f"port {port}?") from None
         if accept_new_host_key:
             self.client.save_host_keys(str(known))
         self._sftp: paramiko.SFTPClient | None = None
@@ -99,34 +129,78 @@ class SshHost:
     @property
     def sftp(self) -> paramiko.SFTPClient:
         if self._sftp is None:
-            self._sftp = self.client.open_sftp()
+            with self.talking("opening an SFTP channel"):
+                self._sftp = self.client.open_sftp()
         return self._sftp
+
+    @property
+    def connected(self) -> bool:
+        transport = self.client.get_transport()
+        return transport is not None and transport.is_active()
+
+    @contextmanager
+    def talking(self, doing: str, after: str = "Run the command again."):
+        """Turn what paramiko raises when the connection drops (EOFError, OSError 'Socket is closed',
+        SSHException) or the host refuses an SFTP request (an OSError) into a TransferError that says which."""
+        try:
+            yield
+        except TransferError:
+            raise
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            if isinstance(e.__context__, KeyboardInterrupt):  # it failed while an interruption unwound
+                raise e.__context__ from None
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if not self.connected:
+                raise TransferError(
+                    f"the SSH connection to {self.hostname} closed while {doing} ({why}): sshd restarted, the "
+                    f"host rebooted or the network dropped. {after}") from None
+            raise TransferError(f"on {self.hostname}: {doing} failed ({why}).") from None
 
     def run(self, argv: list[str] | str, *, check: bool = True, stdin: bytes | None = None,
             timeout: float | None = None) -> RunResult:
-        """Run a command on the host (a list is quoted for the remote shell)."""
+        """Run a command on the host (a list is quoted for the remote shell). A connection that drops
+        before the command has reported its exit status is a TransferError, whatever `check` says."""
         cmd = argv if isinstance(argv, str) else shlex.join(argv)
-        chan_in, chan_out, chan_err = self.client.exec_command(cmd, timeout=timeout)
-        if stdin is not None:
-            chan_in.write(stdin)
-        chan_in.channel.shutdown_write()
-        out = chan_out.read().decode(errors="replace")
-        err = chan_err.read().decode(errors="replace")
-        rc = chan_out.channel.recv_exit_status()
+        with self.talking(f"running `{cmd}`"):
+            chan_in, chan_out, chan_err = self.client.exec_command(cmd, timeout=timeout)
+            if stdin is not None:
+                chan_in.write(stdin)
+            chan_in.channel.shutdown_write()
+            out = chan_out.read().decode(errors="replace")
+            err = chan_err.read().decode(errors="replace")
+            rc = chan_out.channel.recv_exit_status()
+        if rc == -1 and not self.connected:  # the channel closed with the connection, no exit status sent
+            printed = (err or out).strip()[-400:]
+            raise TransferError(
+                f"the SSH connection to {self.hostname} closed while `{cmd}` ran, before it reported an exit "
+                f"status: sshd restarted, the host rebooted or the network dropped. "
+                f"{'It had printed: ' + printed + '. ' if printed else ''}Run the command again.")
         if check and rc != 0:
-            raise TransferError(f"on {self.hostname}: `{cmd}` exited with {rc}: {(err or out).strip()[-800:]}")
+            how = f"exited with {rc}" if rc != -1 else "ended without an exit status (killed by a signal there?)"
+            raise TransferError(f"on {self.hostname}: `{cmd}` {how}: {(err or out).strip()[-800:]}")
         return RunResult(cmd, rc, out, err)
+
+    def abort(self) -> None:
+        """Drop the connection at once, without SFTP's goodbyes (after an interruption mid-request)."""
+        self._sftp = None
+        self.client.close()
 
     def close(self) -> None:
         if self._sftp is not None:
-            self._sftp.close()
+            try:
+                self._sftp.close()
+            except (paramiko.SSHException, EOFError, OSError):  # the connection is gone already
+                pass
         self.client.close()
 
     def __enter__(self) -> "SshHost":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C, SIGTERM: no goodbyes
+            self.abort()
+        else:
+            self.close()
 
 
 @dataclass(frozen=True)
@@ -183,46 +257,48 @@ def send_file(host: SshHost, local: Path, remote_dir: str, *, sha256: str | None
     partial = f"{remote_dir.rstrip('/')}/.{local.name}.partial"
     start = time.monotonic()
     digest = sha256 or local_sha256(local, progress)
+    # A dropped connection mid-way (sshd restarted, the network gone) is a TransferError, not a traceback.
+    with host.talking(f"sending {local.name} to {remote_dir}", after=f"The host keeps what arrived in {partial}: "
+                      "run the same command again and the upload resumes from there."):
+        host.run(["mkdir", "-p", remote_dir])
+        existing = remote_size(host, final)
+        if existing is not None:
+            theirs = remote_sha256(host, final)
+            if theirs == digest:
+                return TransferResult(final, "already-present", 0, time.monotonic() - start, digest)
+            if not force:
+                raise TransferError(
+                    f"{host.hostname}:{final} already exists with different content (sha256 {theirs[:16]}..., "
+                    f"{existing} bytes; ours {digest[:16]}..., {size} bytes). Pass --force to replace it, or "
+                    "give the new artifact another name."
+                )
 
-    host.run(["mkdir", "-p", remote_dir])
-    existing = remote_size(host, final)
-    if existing is not None:
-        theirs = remote_sha256(host, final)
-        if theirs == digest:
-            return TransferResult(final, "already-present", 0, time.monotonic() - start, digest)
-        if not force:
+        offset = remote_size(host, partial) or 0
+        if offset > size or (offset and remote_sha256(host, partial, offset) != sha256_file(local, offset)):
+            offset = 0  # not a prefix of this file (another version was being sent): start over
+        needed = size - offset + SPACE_MARGIN
+        free = remote_free_bytes(host, remote_dir)
+        if free < needed:
             raise TransferError(
-                f"{host.hostname}:{final} already exists with different content (sha256 {theirs[:16]}..., "
-                f"{existing} bytes; ours {digest[:16]}..., {size} bytes). Pass --force to replace it, or "
-                "give the new artifact another name."
+                f"{host.hostname}:{remote_dir} has {free / 1e9:.2f} GB free but the upload needs "
+                f"{needed / 1e9:.2f} GB. Free space there or choose another storage."
             )
 
-    offset = remote_size(host, partial) or 0
-    if offset > size or (offset and remote_sha256(host, partial, offset) != sha256_file(local, offset)):
-        offset = 0  # not a prefix of this file (another version was being sent): start over
-    needed = size - offset + SPACE_MARGIN
-    free = remote_free_bytes(host, remote_dir)
-    if free < needed:
-        raise TransferError(
-            f"{host.hostname}:{remote_dir} has {free / 1e9:.2f} GB free but the upload needs "
-            f"{needed / 1e9:.2f} GB. Free space there or choose another storage."
-        )
+        _upload(host, local, partial, offset, size, bwlimit_mb_s, progress)
 
-    _upload(host, local, partial, offset, size, bwlimit_mb_s, progress)
-
-    if progress:
-        tqdm.write(f"verifying sha256 of {local.name} on {host.hostname} ({size / 1e9:.2f} GB)")
-    theirs = remote_sha256(host, partial)
-    if theirs != digest:
-        host.sftp.remove(partial)
-        raise TransferError(
-            f"checksum mismatch after upload: {host.hostname}:{partial} has sha256 {theirs}, expected "
-            f"{digest}. The partial was deleted and nothing was renamed; check the local file "
-            f"({local}) against its record and run again."
-        )
-    host.sftp.posix_rename(partial, final)  # atomic on one filesystem, replaces an old file (--force)
-    return TransferResult(final, "resumed" if offset else "sent", size - offset,
-                          time.monotonic() - start, digest)
+        if progress:
+            tqdm.write(f"verifying sha256 of {local.name} on {host.hostname} ({size / 1e9:.2f} GB)")
+        theirs = remote_sha256(host, partial)
+        if theirs != digest:
+            host.sftp.remove(partial)
+            raise TransferError(
+                f"checksum mismatch after upload: {host.hostname}:{partial} has sha256 {theirs}, expected "
+                f"{digest}. The partial was deleted and nothing was renamed; check the local file "
+                f"({local}) against its record and run again."
+            )
+        host.sftp.posix_rename(partial, final)  # atomic on one filesystem, replaces an old file (--force)
+        return TransferResult(final, "resumed" if offset else "sent", size - offset,
+                              time.monotonic() - start, digest)
 
 
 def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
@@ -230,20 +306,27 @@ def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
     """Append local[offset:] to the remote partial, pipelined, with tqdm rate and ETA."""
     t0 = time.monotonic()
     sent = 0
-    with open(local, "rb") as src, host.sftp.open(partial, "ab" if offset else "wb") as dst, \
-            tqdm(total=size, initial=offset, unit="B", unit_scale=True, unit_divisor=1024,
-                 desc=f"send {local.name}", disable=not progress) as bar:
-        dst.set_pipelined(True)
-        src.seek(offset)
-        while block := src.read(CHUNK):
-            dst.write(block)
-            sent += len(block)
-            bar.update(len(block))
-            if bwlimit_mb_s:
-                ahead = sent / (bwlimit_mb_s * 1e6) - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
-        dst.flush()
+    dst = host.sftp.open(partial, "ab" if offset else "wb")
+    try:
+        with open(local, "rb") as src, tqdm(total=size, initial=offset, unit="B", unit_scale=True,
+                                            unit_divisor=1024, desc=f"send {local.name}", disable=not progress) as bar:
+            dst.set_pipelined(True)
+            src.seek(offset)
+            while block := src.read(CHUNK):
+                dst.write(block)
+                sent += len(block)
+                bar.update(len(block))
+                if bwlimit_mb_s:
+                    ahead = sent / (bwlimit_mb_s * 1e6) - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+        dst.close()  # waits until the host has acknowledged every pipelined write
+    except BaseException:
+        # Interrupted (Ctrl-C, SIGTERM) or failed mid-write: the connection may hold half a request, and
+        # closing the file politely would wait for acknowledgements that never come (or fail and hide the
+        # interruption). Drop the connection: the host's SFTP server ends, keeping what it has written.
+        host.abort()
+        raise
 
 
 def main_send(argv: list[str] | None = None) -> int:

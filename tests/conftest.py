@@ -1,8 +1,10 @@
 """Shared fixtures and the tier rules.
 
-Tiers are pytest markers (pyproject.toml): docker, nvcc, lxc, ssh, registry, gpu, slow. A test of a
-tier whose tool is missing skips with the reason, except where DFLASH_REQUIRE names the tier (CI sets
-DFLASH_REQUIRE=docker,nvcc,lxc,ssh,registry): there a missing tool fails the run instead of hiding it.
+Tiers are pytest markers (pyproject.toml): docker, nvcc, lxc, ssh, registry, gpu, serving, slow. A test
+of a tier whose tool is missing skips with the reason and the command that installs it, except where
+DFLASH_REQUIRE names the tier (CI sets DFLASH_REQUIRE=docker,nvcc,lxc,ssh,registry,serving): there a
+missing tool fails the run instead of hiding it. The tools some tests need beyond their tier's own
+(skopeo, umoci, zstd, ...) follow the same rule through `need_tools`.
 
 The heavy artifacts (the cu130-sm120 wheel and the dflash-train image) are built once per run by the
 session fixtures below and shared by every test that needs them.
@@ -38,11 +40,22 @@ def _available(tier: str) -> tuple[bool, str]:
     if tier == "nvcc":
         return bool(shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()), "nvcc not found"
     if tier == "lxc":
-        return bool(shutil.which("lxc-start")) and os.geteuid() == 0, "needs Debian's lxc and root"
+        return bool(shutil.which("lxc-start")) and os.geteuid() == 0, \
+            "needs Debian's lxc and root (apt-get install lxc)"
     if tier == "ssh":
-        return bool(shutil.which("sshd") or Path("/usr/sbin/sshd").exists()), "needs OpenSSH's sshd"
+        return bool(shutil.which("sshd") or Path("/usr/sbin/sshd").exists()), \
+            "needs OpenSSH's sshd (apt-get install openssh-server)"
     if tier == "registry":
         return Path("/usr/bin/docker-registry").exists(), "needs Debian's docker-registry (apt install docker-registry)"
+    if tier == "serving":
+        from tests.support import serving_wheels
+
+        try:
+            serving_wheels.all_wheels()
+        except (RuntimeError, OSError) as exc:
+            return False, (f"the pinned engine wheels cannot be fetched ({exc}); fetch them with "
+                           f"`{serving_wheels.FETCH_COMMAND}` (PyPI access needed once)")
+        return True, ""
     if tier == "gpu":
         try:
             import torch
@@ -55,9 +68,23 @@ def _available(tier: str) -> tuple[bool, str]:
 
 _cache: dict[str, tuple[bool, str]] = {}
 
+# The Debian package of each tool a test may need beyond its tier's own.
+PACKAGES = {"skopeo": "skopeo", "umoci": "umoci", "zstd": "zstd", "debootstrap": "debootstrap",
+            "busybox": "busybox-static", "dockerd": "docker.io", "ssh-keygen": "openssh-client"}
+
+
+def need_tools(*tools: str) -> None:
+    """Skip the calling test or fixture when one of `tools` is not on PATH, naming the command that
+    installs them. Where DFLASH_REQUIRE names the test's tier, pytest_runtest_makereport turns the skip
+    into a failure, as for a tier's own tool."""
+    missing = [t for t in tools if not shutil.which(t)]  # PATH, as the code under test looks them up
+    if missing:
+        packages = " ".join(dict.fromkeys(PACKAGES.get(t, t) for t in missing))
+        pytest.skip(f"{', '.join(missing)} not installed (apt-get install {packages})")
+
 
 def pytest_runtest_setup(item):
-    for tier in ("docker", "nvcc", "lxc", "ssh", "registry", "gpu"):
+    for tier in ("docker", "nvcc", "lxc", "ssh", "registry", "gpu", "serving"):
         if item.get_closest_marker(tier) is None:
             continue
         if tier not in _cache:

@@ -198,6 +198,7 @@ def test_report_readers(lines, config):
 
     from dflash.errors import DflashError
     from dflash.train import run_report
+    from dflash.train.rundir import RunDir
 
     run = _run_dir(lines, config)
     problems: list[str] = []
@@ -205,7 +206,7 @@ def test_report_readers(lines, config):
         train, evals = run_report.read_records(run, problems)
     except DflashError:
         return
-    settings_ = run_report.read_config(run, problems)
+    settings_ = run_report.read_config(RunDir(run), problems)
     assert isinstance(run_report.summary_markdown(run, train, evals, settings_, problems), str)
     fig, ax = plt.subplots()
     try:
@@ -333,7 +334,7 @@ def test_resume_checks(latest, cut, flips, drafter):
     (step / "trainer_state.pt").write_bytes(bytes(state))
     (out / "checkpoints" / "latest").write_text(latest, errors="surrogateescape")
     try:
-        check_resume_checkpoint(SimpleNamespace(resume=True, out=str(out)))
+        check_resume_checkpoint(SimpleNamespace(io=SimpleNamespace(resume=True, out=str(out))))
     except DflashError:
         pass
 
@@ -372,7 +373,7 @@ def test_data_shard_reader(lines, bom, suffix, max_length):
 
     path = _file("data" + suffix, (b"\xef\xbb\xbf" if bom else b"") + b"\n".join(lines))
     try:
-        check_data_paths(SimpleNamespace(data=str(path), eval_data=None))
+        check_data_paths(SimpleNamespace(io=SimpleNamespace(data=str(path)), watch=SimpleNamespace(eval_data=None)))
         records = list(_shard_records([str(path)], max_length))
     except DataError:
         return

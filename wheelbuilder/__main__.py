@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("prepare-toolkit", help="builder stage only: make NVIDIA's pip CUDA wheels usable as CUDA_HOME, "
                    "clamp CUDA's and torch's header mtimes to SOURCE_DATE_EPOCH, print CUDA_HOME")
 
-    d = sub.add_parser("diff", help="explain how two wheels or ELF files differ (exit 1 when they do)")
+    d = sub.add_parser("diff", help="explain how two wheels or ELF files differ (exit 1 when they do, 6 when a "
+                       "wheel is damaged)")
     d.add_argument("a", type=Path, help="first wheel or ELF file")
     d.add_argument("b", type=Path, help="second wheel or ELF file")
     return p

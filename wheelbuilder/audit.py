@@ -100,12 +100,13 @@ def _sms(sms, suffix: str = "", only=()) -> str:
     return ", ".join(f"sm_{s}{suffix if s in only else ''}" for s in sms) or "none"
 
 
-def check_arches(report: AuditReport, subject: str, summary: dict, arches: tuple[Arch, ...]) -> None:
-    """SASS exactly for `arches`, PTX exactly for those with ptx=True."""
+def check_arches(report: AuditReport, subject: str, summary: dict, arches: tuple[Arch, ...],
+                 source: str = "targets.toml") -> None:
+    """SASS exactly for `arches`, PTX exactly for those with ptx=True; `source`: the targets file."""
     want_sass = sorted({a.sm for a in arches})
     want_ptx = sorted({a.sm for a in arches if a.ptx})
     fix = ("the arch patch did not take effect, or the wrong arches were asked for: check the build log's "
-           "-gencode flags and the recipe's arch_patch in targets.toml, then rebuild")
+           "-gencode flags and the recipe's arch_patch in " + source + ", then rebuild")
     # arch-specific code (sm_120a) runs on that exact GPU only: never what a target's "12.0" asks for
     seen_sass = _sms(summary["sass"], suffix="a", only=summary.get("arch_specific", ()))
     report.add("arches", f"{subject} SASS", seen_sass == _sms(want_sass), seen_sass, _sms(want_sass), fix)
@@ -113,7 +114,8 @@ def check_arches(report: AuditReport, subject: str, summary: dict, arches: tuple
                _sms(want_ptx).replace("sm_", "compute_"), fix + " (PTX comes only from arches written as X.Y+PTX)")
 
 
-def check_needed(report: AuditReport, subject: str, needed: list[str], cuda_major: int) -> None:
+def check_needed(report: AuditReport, subject: str, needed: list[str], cuda_major: int,
+                 source: str = "targets.toml") -> None:
     """Links torch's libraries and the CUDA runtime of torch's CUDA major."""
     missing = [lib for lib in TORCH_LIBS if lib not in needed]
     if not any(re.fullmatch(r"libtorch\w*\.so", lib) for lib in needed):
@@ -129,11 +131,11 @@ def check_needed(report: AuditReport, subject: str, needed: list[str], cuda_majo
     report.add("needed", f"{subject} CUDA runtime", ok, ", ".join(cudart) or "no libcudart",
                f"libcudart.so.{cuda_major}",
                f"the CUDA toolkit that built it does not match torch's CUDA {cuda_major}: build with a CUDA "
-               f"{cuda_major}.x toolkit (the target's toolkit in targets.toml)")
+               f"{cuda_major}.x toolkit (the target's toolkit in {source})")
 
 
 def audit_so(path: Path | str, arches, *, cuda_major: int | None = None, report: AuditReport | None = None,
-             subject: str | None = None, raise_on_failure: bool = True) -> AuditReport:
+             subject: str | None = None, raise_on_failure: bool = True, source: str = "targets.toml") -> AuditReport:
     """Audit one compiled .so/.o: the fatbin holds exactly `arches` (Arch objects or "9.0+PTX" strings);
     with `cuda_major`, also its DT_NEEDED (torch libraries, libcudart.so.<cuda_major>)."""
     arches = tuple(a if isinstance(a, Arch) else Arch.parse(a) for a in arches)
@@ -142,9 +144,9 @@ def audit_so(path: Path | str, arches, *, cuda_major: int | None = None, report:
     summary = arch_summary(path)
     needed = needed_libraries(path)
     report.modules[subject] = {"arches": {"sass": summary["sass"], "ptx": summary["ptx"]}, "needed": needed}
-    check_arches(report, subject, summary, arches)
+    check_arches(report, subject, summary, arches, source)
     if cuda_major is not None:
-        check_needed(report, subject, needed, cuda_major)
+        check_needed(report, subject, needed, cuda_major, source)
     return report.raise_if_failed() if raise_on_failure else report
 
 
@@ -159,7 +161,8 @@ def _check_module_abi(report: AuditReport, member: str, target: Target) -> None:
     want = target.python.replace(".", "")
     report.add("module", f"{member} Python ABI", m is None or m.group(1) == want,
                f"cpython-{m.group(1)}" if m else "no ABI suffix", f"cpython-{want}",
-               f"built with the wrong Python: build with Python {target.python} (the toolkit's python in targets.toml)")
+               f"built with the wrong Python: build with Python {target.python} "
+               f"(the toolkit's python in {target.source})")
 
 
 def _check_modules(report: AuditReport, zf: zipfile.ZipFile, target: Target, recipe: Recipe, tmp: Path) -> None:
@@ -169,14 +172,14 @@ def _check_modules(report: AuditReport, zf: zipfile.ZipFile, target: Target, rec
         report.add("module", module, len(found) == 1, ", ".join(found) or "not in the wheel",
                    f"one {module.replace('.', '/')}*.so",
                    "the build did not compile the extension (look for 'skipping'/'error' in the build log) or "
-                   "the recipe's `modules` in targets.toml names the wrong module")
+                   f"the recipe's `modules` in {recipe.source} names the wrong module")
         for member in found:
             local = tmp / Path(member).name
             with zf.open(member) as src, open(local, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)  # large modules: stream, never hold them twice
             _check_module_abi(report, member, target)
             audit_so(local, target.arches, cuda_major=target.torch.cuda.major, report=report,
-                     subject=member, raise_on_failure=False)
+                     subject=member, raise_on_failure=False, source=target.source)
 
 
 def _member_text(zf: zipfile.ZipFile, name: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import recipes as rcp
 from common.cmd import echo, run
-from .errors import BuildError
+from .errors import BuildError, ConfigurationError
 from common.fsutil import exclusive, sha256_file, source_date_epoch
 from .targets import Recipe, Target
 from .toolkit import DetectedToolchain, check_toolchain, pip_cuda_home, plan_jobs, prepare_pip_cuda_home
@@ -152,9 +152,25 @@ def compile_recipe(recipe: Recipe, target: Target, toolchain: DetectedToolchain,
     return wheels[0]
 
 
+def check_directory(path: Path, option: str) -> None:
+    """Refuse (also in a dry run) a directory option that names a file, or one below a file: the
+    build would otherwise fail on its first mkdir, after the plan has printed."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                kind = "a file" if p.is_file() else "not a directory"
+                what = f"is {kind}" if p == path else f"lies below {p}, which is {kind}"
+                raise ConfigurationError(f"{option} {path} {what}; it must be a directory. Give a directory "
+                                         "(it is created when missing), or move the file out of the way.")
+            return
+
+
 def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BUILD_ROOT,
                  log_dir: Path | None = None, dry_run: bool = False) -> list[dict]:
     """Build every recipe of `target` into `out_dir`; returns the manifest entries written."""
+    for option, path in (("--out", out_dir), ("--build-dir", build_root), ("--log-dir", log_dir)):
+        if path is not None:
+            check_directory(path, option)
     jobs_threads = plan_jobs(files=4)  # MAX_JOBS / NVCC_THREADS checked before anything slower
     source_date_epoch()
     toolchain = check_toolchain(target)

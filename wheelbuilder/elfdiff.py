@@ -1,6 +1,7 @@
 """Explain why two wheels (or two ELF files) differ: which members, which ELF sections, which symbols.
 
-    python -m wheelbuilder diff A.whl B.whl      (exit 0: identical bytes, 1: they differ)
+    python -m wheelbuilder diff A.whl B.whl      (exit 0: identical bytes, 1: they differ,
+                                                  6: a wheel is damaged and cannot be read whole)
 
 Two builds of one target should give identical wheels (README "Reproducibility"); when they do not,
 a sha256 alone says nothing about why. This names the differing ELF sections with the offset of their
@@ -14,6 +15,7 @@ import hashlib
 import io
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,10 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from .errors import AuditError
+
 ELF_MAGIC = b"\x7fELF"
+ZIP_MAGIC = b"PK\x03\x04"  # a zip's first local file header
 SHOW = 5  # symbols (and members) listed per direction before "... and N more"
 
 
@@ -120,9 +125,24 @@ def _is_elf(data: bytes) -> bool:
 
 
 def _members(path: Path) -> dict[str, bytes]:
+    """A wheel's (zip's) members by name, or {name: bytes} of a loose file. A wheel that cannot be read
+    whole is an AuditError: comparing what could be read of it would report made-up differences."""
+    fix = ("The file was cut short or altered after the build (a copy that did not finish, a bad disk): copy it "
+           "again or rebuild it, and compare its sha256 with manifest.json "
+           "(`python -m wheelbuilder verify --dir DIR`).")
     if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            return {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+        try:
+            with zipfile.ZipFile(path) as z:
+                return {i.filename: z.read(i) for i in z.infolist() if not i.is_dir()}
+        # a bad CRC, a damaged deflate stream, a member cut short, an unknown compression method
+        except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as e:
+            raise AuditError(f"{path} is damaged: a member cannot be read ({type(e).__name__}: {e}). {fix}") from None
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if path.suffix in (".whl", ".zip") or head == ZIP_MAGIC:
+        why = ("it starts as a zip archive but its central directory (the end of the file) is missing"
+               if head == ZIP_MAGIC else "it is not a zip archive, which every wheel is")
+        raise AuditError(f"{path} is damaged: {why}. {fix}")
     return {path.name: path.read_bytes()}
 
 

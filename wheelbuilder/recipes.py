@@ -55,7 +55,7 @@ def fetch_sdist(recipe: Recipe, cache: Path = SDIST_CACHE) -> Path:
         bad = dest.with_name(dest.name + ".bad")
         dest.replace(bad)
         raise SourceError(
-            f"{recipe.sdist}: sha256 {got} does not match the pin {recipe.sha256} in targets.toml "
+            f"{recipe.sdist}: sha256 {got} does not match the pin {recipe.sha256} in {recipe.source} "
             f"([recipes.{recipe.key}]). The file was moved aside to {bad}. If upstream really re-released it, "
             "check the new file and update the pin; otherwise the download was corrupted or tampered with."
         )
@@ -116,7 +116,7 @@ def apply_patches(src: Path, recipe: Recipe, arches: tuple[Arch, ...]) -> list[s
         if n != rep.count:
             raise SourceError(
                 f"{recipe.name} {recipe.version}: the replacement in {rep.file} expected {rep.count} "
-                f"occurrence(s) of {rep.old!r}, found {n}. Update [[recipes.{recipe.key}.replace]] in targets.toml."
+                f"occurrence(s) of {rep.old!r}, found {n}. Update [[recipes.{recipe.key}.replace]] in {recipe.source}."
             )
         path.write_text(text.replace(rep.old, rep.new))
         done.append(f"{rep.file}: replaced {rep.old!r}")
@@ -128,7 +128,7 @@ def apply_patches(src: Path, recipe: Recipe, arches: tuple[Arch, ...]) -> list[s
         if len(hits) != 1:
             raise SourceError(
                 f"{recipe.name} {recipe.version}: the arch patch anchor {p.anchor!r} occurs {len(hits)} times "
-                f"in {p.file} (expected once). Update [recipes.{recipe.key}.arch_patch] in targets.toml."
+                f"in {p.file} (expected once). Update [recipes.{recipe.key}.arch_patch] in {recipe.source}."
             )
         indent = p.anchor[: len(p.anchor) - len(p.anchor.lstrip())]
         lines.insert(hits[0], _gencode_lines(arches, p.variable, indent))

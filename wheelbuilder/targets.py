@@ -157,6 +157,7 @@ class Recipe:
     arch_patch: ArchPatch | None
     replace: tuple[Replacement, ...] = ()
     upstream_arches: tuple[Arch, ...] = ()
+    source: str = field(default="targets.toml", compare=False)  # the file it was read from (for messages)
 
     @property
     def dist_name(self) -> str:
@@ -172,6 +173,7 @@ class Target:
     torch: TorchPin
     arches: tuple[Arch, ...]
     recipes: tuple[Recipe, ...]
+    source: str = field(default="targets.toml", compare=False)  # the file it was read from (for messages)
 
     @property
     def python(self) -> str:
@@ -226,7 +228,7 @@ def _version(text: str, where: str) -> Version:
         raise ConfigurationError(f"{where}: '{text}' is not a version.") from None
 
 
-def _load_recipe(key: str, t: dict) -> Recipe:
+def _load_recipe(key: str, t: dict, source: str) -> Recipe:
     where = f"[recipes.{key}]"
     _check_keys(t, {"name", "version", "sdist", "url", "sha256", "modules", "import_check", "env",
                     "arch_patch", "replace", "upstream_arches"}, where)
@@ -254,6 +256,7 @@ def _load_recipe(key: str, t: dict) -> Recipe:
         arch_patch=patch,
         replace=tuple(replace),
         upstream_arches=tuple(Arch.parse(a) for a in t.get("upstream_arches", [])),
+        source=source,
     )
 
 
@@ -262,6 +265,10 @@ def load(path: Path | str | None = None) -> Catalog:
     path = Path(path or DEFAULT_TARGETS_FILE)
     try:
         return _load(path)
+    except ConfigurationError as e:  # every message names the file: it need not be the repository's
+        if str(path) in str(e):
+            raise
+        raise ConfigurationError(f"{path}: {e}") from None
     except (TypeError, AttributeError, KeyError, ValueError) as e:  # a value of the wrong type or shape
         raise ConfigurationError(
             f"{path}: a table or value has the wrong type or misses a key ({type(e).__name__}: {e}). Compare the "
@@ -271,12 +278,19 @@ def load(path: Path | str | None = None) -> Catalog:
 
 def _load(path: Path) -> Catalog:
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigurationError(f"targets file {path} does not exist.") from None
+    except IsADirectoryError:
+        raise ConfigurationError(f"targets file {path} is a directory; --targets-file takes a TOML file "
+                                 f"(e.g. {path / 'targets.toml'}, if that is the one meant).") from None
+    except OSError as e:  # unreadable: permissions, a FIFO, an I/O error
+        raise ConfigurationError(f"targets file {path} cannot be read ({e.strerror or e}).") from None
+    except UnicodeDecodeError as e:
+        raise ConfigurationError(f"{path}: not a UTF-8 text file ({e}); --targets-file takes a TOML file.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigurationError(f"{path}: not valid TOML: {e}.") from None
-    _check_keys(data, {"default_target", "toolkits", "torch", "targets", "recipes"}, path.name)
+    _check_keys(data, {"default_target", "toolkits", "torch", "targets", "recipes"}, "top level")
 
     toolkits = {}
     for name, t in data.get("toolkits", {}).items():
@@ -300,7 +314,7 @@ def _load(path: Path) -> Catalog:
             cuda=_version(_need(t, "cuda", where), where), index=_need(t, "index", where),
             lock=_need(t, "lock", where),
         )
-    recipes = {key: _load_recipe(key, t) for key, t in data.get("recipes", {}).items()}
+    recipes = {key: _load_recipe(key, t, str(path)) for key, t in data.get("recipes", {}).items()}
 
     targets = {}
     for name, t in data.get("targets", {}).items():
@@ -327,9 +341,9 @@ def _load(path: Path) -> Catalog:
             raise ConfigurationError(f"{where}: recipe '{missing[0]}' is not defined." + did_you_mean(missing[0], recipes))
         targets[name] = Target(
             name=name, description=t.get("description", ""), toolkit=toolkit, torch=torch,
-            arches=arches, recipes=tuple(recipes[r] for r in t["recipes"]),
+            arches=arches, recipes=tuple(recipes[r] for r in t["recipes"]), source=str(path),
         )
-    default = _need(data, "default_target", path.name)
+    default = _need(data, "default_target", "top level")
     catalog = Catalog(path=path, default_target=default, targets=targets)
     catalog.target(default)  # the default must exist
     return catalog
@@ -382,7 +396,7 @@ def with_arches(target: Target, arch_text: str) -> Target:
                                  "or leave --arch out to build the target's own arches.")
     check_unique_arches(arches, f"--arch {arch_text}")
     check_arches_compilable(arches, target.toolkit.cuda, f"--arch {arch_text}")
-    return Target(target.name, target.description, target.toolkit, target.torch, arches, target.recipes)
+    return dataclasses.replace(target, arches=arches)
 
 
 def with_python(target: Target, python: str) -> Target:

@@ -52,7 +52,7 @@ def pip_cuda_home() -> Path | None:
 
 
 def prepare_pip_cuda_home(home: Path) -> list[str]:
-    """Make the pip layout usable as CUDA_HOME for torch.utils.cpp_extension (DESIGN.md §4):
+    """Make the pip layout usable as CUDA_HOME for torch.utils.cpp_extension (docs/architecture.md, "Build targets"):
     it looks in lib64 and links -lcudart, which the wheels ship only as lib/ and libcudart.so.13."""
     made = []
     if not (home / "lib64").exists():

@@ -67,6 +67,13 @@ def dist_info_dir(names: list[str], wheel_name: str) -> str:
                          "<name>-<version>-<python tag>-<abi tag>-<platform tag>.whl.") from None
     found = sorted({n.split("/", 1)[0] for n in names if n.split("/", 1)[0].endswith(".dist-info")})
     matching = [d for d in found if _dist_info_matches(d, name, str(version))]
+    if not matching and len(found) == 1:  # one metadata folder, of another name or version: a renamed file
+        raise AuditError(
+            f"{wheel_name}: the file name does not match the wheel's metadata (its folder is {found[0]}, the name "
+            f"asks for {name}-{version}): the file was renamed after the build, and installers refuse it. Give it "
+            f"back its own name ({found[0][: -len('.dist-info')]}-<the tags in {found[0]}/WHEEL>.whl), or rebuild "
+            "the version its name asks for."
+        )
     if len(matching) != 1:
         raise AuditError(
             f"{wheel_name}: expected exactly one {wheel_name.split('-')[0]}-{version}.dist-info folder, found "

@@ -6,24 +6,27 @@
     out: runs/qwen3-8b
     block-size: 16                        (keys as flags without the dashes, or as field names: block_size)
     report-to: [tensorboard]
+    optim:                                (or grouped by section, as `dflash-train --help` groups them and
+      lr: 6e-4                             as a run's config.json stores them: io, model, optim, runtime,
+                                           watch, demo; in TOML a table: [optim])
 
 The format follows the suffix: .yaml/.yml (PyYAML), .json, .toml (tomllib). Keys are the options of
-`dflash-train --help`; an unknown key fails and names the closest option. Values are checked against
-each option's type here (YAML reads `6e-4` as a string: numbers in strings are converted as the command
-line would), and the whole config is checked by TrainConfig afterwards. The run's resolved config is
-written to <out>/config.json as always, so `--config <out>/config.json` repeats a run.
+`dflash-train --help`; an unknown key, or an option under another section than its own, fails and names
+the fix. Values are checked against each option's type here (YAML reads `6e-4` as a string: numbers in
+strings are converted as the command line would), and the whole config is checked by TrainConfig
+afterwards. The run's resolved config is written to <out>/config.json as always, so `--config
+<out>/config.json` repeats a run (also the flat config.json of runs written before the sections).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
 import tomllib
 import types
 import typing
 from pathlib import Path
 
+from dflash.config.options import OPTIONS, flatten
 from dflash.errors import ConfigError
 
 FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON", ".toml": "TOML"}
@@ -93,22 +96,12 @@ def _convert(value, tp, where: str):
     raise bad
 
 
-def read_config_file(path, config_cls) -> dict:
-    """{field name: value} of the options set in `path`, each converted to its field's type."""
+def read_config_file(path) -> dict:
+    """{option name: value} of the options set in `path`, each converted to its option's type."""
     path = Path(path)
     data = _parse(path)
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: the file must hold a mapping of option: value, "
                           f"not a {type(data).__name__}.")
-    hints = typing.get_type_hints(config_cls)
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    values = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in names:
-            flags = sorted(n.replace("_", "-") for n in names)
-            hint = difflib.get_close_matches(str(key).replace("_", "-"), flags, n=1)
-            raise ConfigError(f"--config {path}: unknown option '{key}'."
-                              + (f" Did you mean '{hint[0]}'?" if hint else " `dflash-train --help` lists them."))
-        values[name] = _convert(value, hints[name], f"--config {path}: '{key}'")
-    return values
+    where = f"--config {path}"
+    return flatten(data, where, lambda name, key, value: _convert(value, OPTIONS[name][2], f"{where}: '{key}'"))

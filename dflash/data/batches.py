@@ -37,7 +37,7 @@ class ChatDataset(torch.utils.data.Dataset):
     A template with no way to locate assistant turns raises ChatTemplateError.
     """
 
-    def __init__(self, conversations, tokenizer, *, max_length: int, block_size: int = 16,
+    def __init__(self, conversations, tokenizer, *, max_length: int, block_size: int,
                  min_supervised: int | None = None, source: str = "chat dataset"):
         self.min_supervised = 2 * block_size if min_supervised is None else min_supervised
         self.report = DataReport(source=source)

@@ -11,6 +11,11 @@ parsed from a JSON string into a mapping, as Qwen3.5's template needs), and `too
 `name` / `tool_call_id`). A conversation may end with a user prompt and no answer: `dflash.regenerate`
 fills it in.
 
+A record's top-level `tools` (the OpenAI function schemas the target was served with) stay with its
+messages: a parsed conversation is a `Conversation`, a list of messages with a `tools` attribute, and
+every render passes them to the chat template, which lays them out as the system block the target saw
+({"messages": [...], "tools": [...]} in the JSONL, written back the same way).
+
 Turns must come in the order a chat has them: system messages first, then a user message; never two
 user or two assistant messages in a row; a tool result only after an assistant message or another tool
 result. A conversation out of that order is a bad record (reason "roles_out_of_order": counted and
@@ -147,17 +152,57 @@ def _message(i: int, message) -> dict:
     return out
 
 
+class Conversation(list):
+    """A conversation's messages, plus the tools it was served with (`tools`: a list of function schemas,
+    or None). A slice or copy is a plain list: keep the tools with `Conversation(part, tools_of(whole))`."""
+
+    def __init__(self, messages=(), tools=None):
+        super().__init__(messages)
+        self.tools = tools or None
+
+
+def tools_of(messages) -> list[dict] | None:
+    """The tools a conversation (or a history built with them) was served with, or None."""
+    return getattr(messages, "tools", None)
+
+
+def _without_nulls(value):
+    """Arrow gives every struct the union of all rows' keys, the missing ones null: drop them."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _tools(value) -> list[dict] | None:
+    """A record's `tools`: a list of schema objects, or its JSON string (datasets often store it so)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tools is a string but not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"tools must be a list of tool schemas (objects), got {type(value).__name__}")
+    return _without_nulls(value) or None
+
+
 def parse_conversation(record) -> list[dict]:
     """One JSONL record -> [{"role", "content", ...}, ...]; raises ValueError saying what is wrong.
 
     Accepts {"messages": [...]}, {"conversations": [...]} (also ShareGPT's from/value) or a bare list.
     Besides role and content a message keeps reasoning_content and tool_calls (assistant) and name and
     tool_call_id (tool); a None field counts as absent (Parquet and Arrow fill missing fields with null).
+    A record's `tools` become the Conversation's `tools`.
     """
+    tools = None
     if isinstance(record, dict):
         key = next((k for k in _MESSAGE_KEYS if k in record), None)
         if key is None:
             raise ValueError(f'no "messages" list (keys: {sorted(record)[:8]})')
+        tools = _tools(record.get("tools"))
         record = record[key]
     if not isinstance(record, list) or not record:
         raise ValueError("the conversation must be a non-empty list of messages")
@@ -166,7 +211,7 @@ def parse_conversation(record) -> list[dict]:
     if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in messages):
         if messages[-1]["role"] not in ("user", "tool"):
             raise ValueError("no assistant message and no final user prompt to answer")
-    return messages
+    return Conversation(messages, tools)
 
 
 def check_turn_order(messages: list[dict]) -> None:
@@ -232,9 +277,15 @@ def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], Dat
 
 
 
+def jsonl_record(messages: list[dict]) -> dict:
+    """The JSONL record of a conversation: {"messages": [...]}, plus "tools" when it has them."""
+    tools = tools_of(messages)
+    return {"messages": list(messages), **({"tools": tools} if tools else {})}
+
+
 def write_jsonl(path, conversations: list[list[dict]]) -> None:
-    """Write conversations as chat JSONL ({"messages": [...]} per line), atomically."""
-    text = "".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
+    """Write conversations as chat JSONL ({"messages": [...][, "tools": [...]]} per line), atomically."""
+    text = "".join(json.dumps(jsonl_record(c), ensure_ascii=False) + "\n" for c in conversations)
     atomic_write(Path(path), text)
 
 
@@ -242,14 +293,15 @@ def write_jsonl(path, conversations: list[list[dict]]) -> None:
 # Rendering with the chat template
 # --------------------------------------------------------------------------------------------------
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as the tokenizer's chat template lays it out (text, not token ids)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """The conversation as the tokenizer's chat template lays it out (text, not token ids), with its tools."""
+    return tokenizer.apply_chat_template(list(messages), tools=tools_of(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of the conversation up to (not including) its first assistant turn, plus the
     generation prompt: what the target sees before it starts answering."""
-    head = []
+    head = Conversation(tools=tools_of(messages))
     for m in messages:
         if m["role"] == "assistant":
             break

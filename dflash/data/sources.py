@@ -181,11 +181,12 @@ def _parquet_records(shard: Path, max_length: int):
     try:
         file = pq.ParquetFile(shard)
         column = _conversation_column(file.schema_arrow.names, shard)
+        columns = [column] + (["tools"] if "tools" in file.schema_arrow.names else [])
         row = 0
-        for batch in file.iter_batches(columns=[column], batch_size=1024):
-            for value in batch.column(0).to_pylist():
-                yield _checked(json.dumps({"messages": value}, ensure_ascii=False, default=str),
-                               f"{shard}#{row}", max_length)
+        for batch in file.iter_batches(columns=columns, batch_size=1024):
+            for value in batch.to_pylist():
+                record = {"messages": value[column], **({"tools": value["tools"]} if "tools" in value else {})}
+                yield _checked(json.dumps(record, ensure_ascii=False, default=str), f"{shard}#{row}", max_length)
                 row += 1
     except DataError:
         raise
@@ -222,9 +223,11 @@ def read_records(source: Source, work_dir: Path, num_proc: int = 1, max_length: 
             saved = saved["train"]
         column = _conversation_column(saved.column_names, source.path)
         where = str(source.path)
+        tools = "tools" in saved.column_names
         return saved.map(
-            lambda row, i: _checked(json.dumps({"messages": row[column]}, ensure_ascii=False, default=str),
-                                    f"{where}#{i}", max_length),
+            lambda row, i: _checked(
+                json.dumps({"messages": row[column], **({"tools": row["tools"]} if tools else {})},
+                           ensure_ascii=False, default=str), f"{where}#{i}", max_length),
             with_indices=True, remove_columns=saved.column_names, features=features,
             num_proc=num_proc if num_proc > 1 else None, desc="read", cache_file_name=str(work_dir / "read.arrow"),
             new_fingerprint=hashlib.sha256(where.encode()).hexdigest()[:16])

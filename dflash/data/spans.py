@@ -42,10 +42,12 @@ import bisect
 import hashlib
 import re
 
+from dflash.data.chat import Conversation, tools_of
 from dflash.errors import ChatTemplateError, DataError
 
 # Bump when what gets supervised changes: it is part of the token cache's key (dflash.token_cache).
-SPAN_RULES_VERSION = 2
+# 3: a conversation's tools are rendered (the tools system block is context, never supervised).
+SPAN_RULES_VERSION = 3
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINEL = "DFLASHSPANSENTINEL"
@@ -87,7 +89,8 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False
     if not messages and not add_generation_prompt:
         return ""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(list(messages), tools=tools_of(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja raises TemplateError, TypeError, UndefinedError, ... for what it rejects
         raise Unusable("template_error", f"the chat template rejects the conversation: "
                                          f"{type(exc).__name__}: {exc}") from None
@@ -103,7 +106,7 @@ def turn_markers(tokenizer, head: list[dict]) -> tuple[str, str]:
             f"before an assistant turn (add_generation_prompt=True renders {prompted[-60:]!r}), so its assistant "
             "turns cannot be located; use a template with a generation prompt or with {% generation %} markers")
     header = prompted[len(plain):]
-    probe = _render(tokenizer, head + [{"role": "assistant", "content": _SENTINEL}])
+    probe = _render(tokenizer, Conversation([*head, {"role": "assistant", "content": _SENTINEL}], tools_of(head)))
     if _SENTINEL not in probe:
         raise ChatTemplateError(f"the chat template of {template_name(tokenizer)} does not render an assistant "
                                 "message's content; its assistant turns cannot be located")
@@ -133,7 +136,7 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        header, end = turn_markers(tokenizer, messages[:k])
+        header, end = turn_markers(tokenizer, Conversation(messages[:k], tools_of(messages)))
         role_line = _first_line(header)
         at_role = full.find(role_line, cursor)
         if at_role < 0:
@@ -198,8 +201,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> t
         raise Unusable("no_assistant_turn", "the conversation has no assistant message to learn from")
     if has_generation_markers(tokenizer):
         try:
-            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True)
+            out = tokenizer.apply_chat_template(list(messages), tools=tools_of(messages), tokenize=True,
+                                                return_dict=True, return_assistant_tokens_mask=True)
         except Exception as exc:
             raise Unusable("template_error", f"the chat template rejects the conversation: "
                                              f"{type(exc).__name__}: {exc}") from None

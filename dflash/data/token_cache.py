@@ -98,23 +98,23 @@ def cache_inputs(config, tokenizer) -> dict:
     """Everything the tokenised data depends on (hashed into the key; written to record.json)."""
     inputs = {
         "format": FORMAT, "span_rules": SPAN_RULES_VERSION, "conversation_rules": CONVERSATION_RULES_VERSION,
-        "max_record_bytes": max_record_bytes(config.max_length),
-        "data": content_fingerprint(find_source(config.data)),
-        "eval_data": content_fingerprint(find_source(config.eval_data)) if config.eval_data else None,
-        "eval_fraction": config.eval_fraction, "seed": config.seed if config.eval_fraction else None,
+        "max_record_bytes": max_record_bytes(config.model.max_length),
+        "data": content_fingerprint(find_source(config.io.data)),
+        "eval_data": content_fingerprint(find_source(config.watch.eval_data)) if config.watch.eval_data else None,
+        "eval_fraction": config.watch.eval_fraction, "seed": config.optim.seed if config.watch.eval_fraction else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "max_length": config.max_length, "min_supervised": 2 * config.block_size,
-        "on_bad_line": config.on_bad_line,
+        "max_length": config.model.max_length, "min_supervised": 2 * config.model.block_size,
+        "on_bad_line": config.io.on_bad_line,
     }
     return inputs
 
 
 def cache_root(config) -> Path:
-    if config.data_cache:
-        return Path(config.data_cache)
+    if config.io.data_cache:
+        return Path(config.io.data_cache)
     if os.environ.get("DFLASH_CACHE"):
         return Path(os.environ["DFLASH_CACHE"]) / "tokenized"
-    return Path(config.out).resolve().parent / "tokenized-cache"
+    return Path(config.io.out).resolve().parent / "tokenized-cache"
 
 
 def default_num_proc(n_records: int, asked: int) -> int:
@@ -252,20 +252,20 @@ def build(config, tokenizer, final: Path, inputs: dict) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_build_prefix(final), dir=final.parent))
     try:
-        kw = dict(max_length=config.max_length, min_supervised=2 * config.block_size, num_proc=config.num_proc,
-                  on_bad_line=config.on_bad_line, progress=config.progress)
-        train, report = tokenize_source(config.data, tokenizer, work_dir=tmp / "work-train", **kw)
+        kw = dict(max_length=config.model.max_length, min_supervised=2 * config.model.block_size,
+                  num_proc=config.io.num_proc, on_bad_line=config.io.on_bad_line, progress=config.runtime.progress)
+        train, report = tokenize_source(config.io.data, tokenizer, work_dir=tmp / "work-train", **kw)
         record = {"inputs": inputs, "report": report.to_dict()}
-        if config.eval_data:
-            evals, eval_report = tokenize_source(config.eval_data, tokenizer, work_dir=tmp / "work-eval", **kw)
+        if config.watch.eval_data:
+            evals, eval_report = tokenize_source(config.watch.eval_data, tokenizer, work_dir=tmp / "work-eval", **kw)
             record["eval_report"] = eval_report.to_dict()
-        elif config.eval_fraction:
+        elif config.watch.eval_fraction:
             order = list(range(len(train)))
-            random.Random(config.seed).shuffle(order)
-            n_eval = max(1, round(config.eval_fraction * len(order)))
+            random.Random(config.optim.seed).shuffle(order)
+            n_eval = max(1, round(config.watch.eval_fraction * len(order)))
             if n_eval >= len(order):
-                raise DataError(f"--eval-fraction {config.eval_fraction} of {len(order)} usable samples leaves none "
-                                "to train on; lower it or add data")
+                raise DataError(f"--eval-fraction {config.watch.eval_fraction} of {len(order)} usable samples leaves "
+                                "none to train on; lower it or add data")
             evals, train = train.select(sorted(order[:n_eval])), train.select(sorted(order[n_eval:]))
         else:
             evals = None
@@ -329,7 +329,7 @@ def load_tokenized(config, tokenizer) -> TokenizedItems:
             log.info("tokenised data from the cache %s", final)
         else:
             start = time.perf_counter()
-            log.info("tokenising %s into %s", config.data, final)
+            log.info("tokenising %s into %s", config.io.data, final)
             build(config, tokenizer, final, inputs)
             log.info("tokenised in %.1f s", time.perf_counter() - start)
     distributed.barrier(d)

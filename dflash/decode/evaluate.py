@@ -60,7 +60,7 @@ def cache_mode(target, use_cache: bool) -> str:
     return f"off ({reason})"
 
 
-def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *, block_size: int | None = None,
+def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *,
              stop_token_ids: Iterable[int] | None = None, check_lossless: bool = True, progress: bool = False,
              use_cache: bool = True, temperature: float = 0.0, seed: int = 0) -> dict:
     """Speculative decoding over `prompts` beside plain decoding by the target: tau, throughput, speed-up,
@@ -74,7 +74,7 @@ def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *, 
     check_lossless=False skips the plain decoding. Generation stops at the tokenizer's EOS unless
     stop_token_ids says otherwise. Prompt i samples with torch.Generator seeded seed + i.
     """
-    proposer = as_proposer(drafter, block_size, incremental=use_cache)
+    proposer = as_proposer(drafter, incremental=use_cache)
     stops = _default_stops(target) if stop_token_ids is None else list(stop_token_ids)
     check_prompt_lengths(target, prompts, max_new_tokens, proposer.block_size)
     mode = cache_mode(target, use_cache)
@@ -150,10 +150,11 @@ def untrained_drafter(target, config: DrafterConfig | None = None, seed: int = 0
 
 
 def evaluate_baseline(target, prompts: list[list[int]], max_new_tokens: int, kind: str = "repeat_last", *,
-                      block_size: int = 16, config: DrafterConfig | None = None, seed: int = 0,
+                      block_size: int | None = None, config: DrafterConfig | None = None, seed: int = 0,
                       **kwargs) -> dict:
     """evaluate() for a baseline: "repeat_last" (anchor repeated) or "untrained" (a fresh drafter,
-    initialised from `seed`, which also seeds the sampling as in evaluate)."""
+    initialised from `seed`, which also seeds the sampling as in evaluate). Its block size is `config`'s
+    (the drafter compared with), or `block_size` without a config."""
     if kind == "repeat_last":
         proposer = RepeatLastProposer(config.block_size if config else block_size)
     elif kind == "untrained":

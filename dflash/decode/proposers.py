@@ -120,14 +120,10 @@ class DrafterProposer:
     incremental=True keeps the context in a DrafterContextCache; False re-runs Drafter.forward over
     the whole context every step (the uncached reference)."""
 
-    def __init__(self, drafter: Drafter, block_size: int | None = None, incremental: bool = True):
+    def __init__(self, drafter: Drafter, incremental: bool = True):
         self.drafter = drafter.eval()
-        self.block_size = block_size or drafter.config.block_size
+        self.block_size = drafter.config.block_size  # the one it learned its masked positions for
         self.incremental = incremental
-        if self.block_size != drafter.config.block_size:
-            # The drafter learned its masked positions for one block size; another size is a silent mismatch.
-            raise ValueError(f"block_size {self.block_size} differs from the drafter's trained "
-                             f"block_size {drafter.config.block_size}; leave block_size unset")
         self.begin()
 
     def begin(self) -> None:
@@ -155,16 +151,16 @@ class DrafterProposer:
 class RepeatLastProposer:
     """Baseline: guess that the anchor token repeats bs-1 times (what a drafter must clearly beat)."""
 
-    def __init__(self, block_size: int = 16):
+    def __init__(self, block_size: int):
         self.block_size = block_size
 
     def propose(self, target, token_ids: list[int], new_context: torch.Tensor, sampler: Sampler) -> list[int]:
         return [token_ids[-1]] * (self.block_size - 1)
 
 
-def as_proposer(drafter, block_size: int | None = None, incremental: bool = True) -> Proposer:
+def as_proposer(drafter, incremental: bool = True) -> Proposer:
     if isinstance(drafter, Drafter):
-        return DrafterProposer(drafter, block_size, incremental)
+        return DrafterProposer(drafter, incremental)
     if hasattr(drafter, "propose") and hasattr(drafter, "block_size"):
         return drafter
     raise TypeError(f"expected a Drafter or a proposer (.propose, .block_size), got {type(drafter).__name__}")

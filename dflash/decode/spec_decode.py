@@ -122,11 +122,11 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, stop_tok
 
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt_ids: list[int], max_new_tokens: int,
-                         block_size: int | None = None, stop_token_ids: Iterable[int] = (), *,
+                         stop_token_ids: Iterable[int] = (), *,
                          use_cache: bool = True, sampler: Sampler | None = None) -> SpecResult:
     """Generate up to max_new_tokens with `drafter` proposing and `target` verifying.
     Temperature 0 (the default): the output equals greedy decoding token for token."""
-    proposer = as_proposer(drafter, block_size, incremental=use_cache)
+    proposer = as_proposer(drafter, incremental=use_cache)
     sampler, stop, ids = sampler or Sampler(), set(stop_token_ids), list(prompt_ids)
     if max_new_tokens <= 0:
         return SpecResult(tokens=[])

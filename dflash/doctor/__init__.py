@@ -4,6 +4,7 @@
     checks.py      the checks that need no GPU: versions, import, arch coverage, dispatch, C compiler
     numerics.py    float64 references and the GPU numerics check of the GatedDeltaNet kernels
     triton_jit.py  the smallest proof that Triton can JIT-compile and run a kernel here
+    ipc.py         shared memory (/dev/shm) and loopback: what multi-process work needs from the container
     verdict.py     CheckResult, Report: the verdict as a table or as JSON (schema 1), saved atomically
     healthcheck.py `dflash healthcheck`: the saved verdict plus the trainer's heartbeat
                    (dflash/train/heartbeat.py) decide the exit code

@@ -1,4 +1,5 @@
-"""The doctor's checks that run without a GPU (DESIGN.md §5, checks 1-4 and the C-compiler half of 6).
+"""The doctor's checks that run without a GPU: 1-4 and the C-compiler half of 6 of "The doctor's
+checks" in docs/architecture.md.
 
 Each `check_*` function returns one CheckResult and never raises for a problem it was written to find;
 the reason names what is wrong, the values seen, and the fix.

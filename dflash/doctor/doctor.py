@@ -1,4 +1,4 @@
-"""`dflash doctor`: prove that the fast GatedDeltaNet kernels really load and really run (DESIGN.md §5).
+"""`dflash doctor`: prove that the fast GatedDeltaNet kernels really load and really run (docs/architecture.md, "The doctor's checks").
 
     dflash doctor                       # aligned table; exit 1 when a required check fails
     dflash doctor --json                # the same as JSON (schema in dflash/doctor/verdict.py)
@@ -11,9 +11,10 @@
 Exit codes: 0 no required check failed; 1 a required check failed; 2 a bad option (an arch spelling,
 a --save path that cannot be written), found before any check runs.
 
-Checks, in order: gpu, versions, import, arch, dispatch, numerics, triton. Without a GPU, versions,
-import, arch and dispatch still run; numerics and the Triton JIT report skip with the reason, and the
-C compiler Triton needs is still checked.
+Checks, in order: gpu, versions, import, arch, dispatch, numerics, triton, shm, loopback. Without a GPU,
+versions, import, arch and dispatch still run; numerics and the Triton JIT report skip with the reason, and
+the C compiler Triton needs is still checked. shm and loopback (ipc.py: what --num-proc, DataLoader
+workers, NCCL and torchrun need from the container) always run, --quick included.
 
 Dispatch is checked even without a GPU because transformers 5.24 picks the fast or the torch function
 once, when the model module is imported, by importing the kernel package; the GPU plays no part in the
@@ -103,6 +104,7 @@ def check_triton(gpus: list[dict], quick: bool) -> CheckResult:
 def run_checks(opts: Options, progress=None) -> Report:
     """Run every check in order; a check that crashes is reported as failed with its exception."""
     from dflash.doctor import checks as dc
+    from dflash.doctor import ipc
 
     gpus = dc.visible_gpus()
     expected = list(opts.expect_arches) if opts.expect_arches is not None else None
@@ -114,6 +116,8 @@ def run_checks(opts: Options, progress=None) -> Report:
         ("dispatch", dc.check_dispatch),
         ("numerics", lambda: check_numerics(gpus)),
         ("triton", lambda: check_triton(gpus, opts.quick)),
+        ("shm", ipc.check_shm),
+        ("loopback", ipc.check_loopback),
     ]
     results = []
     for name, fn in plan:

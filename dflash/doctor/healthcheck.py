@@ -1,4 +1,4 @@
-"""`dflash healthcheck`: the image's cheap HEALTHCHECK (DESIGN.md §5).
+"""`dflash healthcheck`: the image's cheap HEALTHCHECK (docs/architecture.md, "The doctor's checks").
 
 The full doctor runs once, at container start (`dflash doctor --save /tmp/dflash/doctor.json`, or
 `dflash.doctor.doctor.run_and_save`), and its verdict is kept. This command only reads things back:

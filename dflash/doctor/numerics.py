@@ -1,4 +1,4 @@
-"""Float64 references for the GatedDeltaNet kernels, and the doctor's GPU numerics check (DESIGN.md §5.5).
+"""Float64 references for the GatedDeltaNet kernels, and the doctor's GPU numerics check (docs/architecture.md, "The doctor's checks", 5).
 
 The references are written from the definitions, as plain loops, so they share no code with the
 kernels or with transformers' fallbacks:

@@ -3,11 +3,14 @@
     DIR/config.json          Qwen3 keys + DFlash keys (below); AutoConfig reads it as a Qwen3Config
     DIR/model.safetensors    the drafter's tensors, bf16 by default, names without a "model." prefix
                              (a sharded model.safetensors.index.json + shards is read as well)
+    DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/io/remote_code.py) that config.json's
+                             auto_map names: AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it
 
 config.json, as `reference_config` writes it (one key per DrafterConfig field, except the two that nest):
 
     model_type "qwen3", architectures ["DFlashDraftModel"]        vLLM registry.py maps the architecture
                                                                   to qwen3_dflash; SGLang models/dflash.py
+    auto_map {"AutoModel": "modeling_dflash.DFlashDraftModel"}   transformers' trust_remote_code path
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
     hidden_act "silu", rms_norm_eps, attention_bias false, max_position_embeddings, vocab_size,
     rope_theta + rope_parameters {rope_theta, rope_type "default"}    both: transformers 5 reads the
@@ -16,7 +19,8 @@ config.json, as `reference_config` writes it (one key per DrafterConfig field, e
                                                                   unless use_sliding_window is true
     block_size, num_target_layers
     dflash_config {target_layer_ids, mask_token_id}              id l = output of target decoder layer l,
-                                                                  i.e. HF hidden_states[l + 1]
+                                                                  i.e. HF hidden_states[l + 1] for l < L-1
+                                                                  (dflash/io/engines.py: L-1 is refused)
     dtype, tie_word_embeddings false, use_cache, attention_dropout, initializer_range
     target_fingerprint                                           this project only; engines ignore it
 
@@ -26,7 +30,8 @@ layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.{q,k}_norm, layers.N.mlp.{
 No embedding and no LM head: the target's are used.
 
 Reading checks everything before a weight is loaded: the config (model type, architecture, DFlash keys,
-features this drafter does not implement), then the tensor names and shapes from the safetensors
+and every other key: `unsupported_keys` refuses, by name, an unknown key and one whose value makes an
+engine compute something else), then the tensor names and shapes from the safetensors
 header, then (`check_fits_target`) the target. Every failure is a DrafterError naming the problem and
 the fix. (`dflash.drafter_legacy` converts the project's older "dflash-drafter/1" directories.)
 """
@@ -44,6 +49,7 @@ import torch
 from common.fsutil import atomic_write
 
 from dflash.errors import DrafterError
+from dflash.io.config_keys import DFLASH_KEYS, unsupported_keys
 from dflash.model.drafter import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -58,10 +64,8 @@ LEGACY_FORMAT = "dflash-drafter/1"  # the project's own layout before this one
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
-# Keys inside dflash_config that this project implements; any other one changes the drafter's math
-# (attention sinks, causal overrides, projectors: vLLM qwen3_dflash.py, SGLang dflash_utils.py).
-_DFLASH_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "num_target_layers"}
-
+MODEL_FILE = "modeling_dflash.py"  # dflash/io/remote_code.py, for AutoModel(..., trust_remote_code=True)
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 # --- writing -----------------------------------------------------------------------------------------
 def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -72,6 +76,7 @@ def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16)
         "model_type": MODEL_TYPE,
         "attention_bias": False,
         "attention_dropout": 0.0,
+        "auto_map": dict(AUTO_MAP),
         "block_size": config.block_size,
         "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id},
         "dtype": DTYPE_NAMES[dtype],
@@ -106,6 +111,13 @@ def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in Drafter(config).state_dict().items()}
 
 
+def remote_code_source() -> str:
+    """modeling_dflash.py: the self-contained model class config.json's auto_map names."""
+    from dflash.io import remote_code
+
+    return Path(remote_code.__file__).read_text()
+
+
 def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.bfloat16) -> Path:
     """Write `drafter` to `directory` in the reference layout, its weights cast to `dtype` (None: as
     they are, e.g. float32 for a training checkpoint). Each file appears whole or not at all; the
@@ -118,6 +130,7 @@ def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.
         raise DrafterError(f"cannot save a drafter as {dtype}; use one of {', '.join(DTYPE_NAMES.values())}")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
+    atomic_write(directory / MODEL_FILE, remote_code_source())
     config = json.dumps(reference_config(drafter.config, dtype), indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, config)
     return directory
@@ -250,17 +263,11 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
     if missing:
         raise DrafterError(f"{where} lacks {', '.join(missing)} (dflash_config holds target_layer_ids and "
                            "mask_token_id; the rest are top-level keys); add them from the drafter's training config")
-    unsupported = sorted(set(dflash) - _DFLASH_KEYS)
-    if data.get("is_causal") is not None:
-        unsupported.append("is_causal")
-    if data.get("attention_bias"):
-        unsupported.append("attention_bias")
-    if data.get("hidden_act", "silu") != "silu":
-        unsupported.append(f"hidden_act {data['hidden_act']!r}")
+    unsupported = unsupported_keys(data)
     if unsupported:
-        raise DrafterError(f"{where} uses {', '.join(unsupported)}, which this project's drafter does not implement "
-                           "(it would compute other outputs than the engines); only DFlashDraftModel drafters with "
-                           f"dflash_config keys {sorted(_DFLASH_KEYS)} load here")
+        raise DrafterError(f"{where} uses {'; '.join(unsupported)}. This project's drafter does not implement "
+                           "that, so it would compute other outputs than the engines do; it reads DFlashDraftModel "
+                           f"drafters with dflash_config keys {sorted(DFLASH_KEYS)} and the Qwen3 keys only")
     ids = _int_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids", where)
     eagle_ids = data.get("eagle_aux_hidden_state_layer_ids")
     eagle = "eagle_aux_hidden_state_layer_ids"
@@ -268,6 +275,7 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
         # vLLM eagle3_utils.py prefers this key as-is over dflash_config.target_layer_ids (+1).
         raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids {eagle_ids} disagrees with target_layer_ids "
                            f"{ids} (vLLM would tap {eagle_ids}, this project {[i + 1 for i in ids]}); remove the key")
+
     def size(key: str, value=None, minimum: int = 1) -> int:
         return _int(data[key] if value is None else value, key, where, minimum)
 
@@ -335,7 +343,8 @@ def check_tensors(config: DrafterConfig, stored: dict, directory: Path) -> None:
         if any(n.startswith("model.") for n in extra):
             hint = " The file's names carry a \"model.\" prefix, which the reference layout has none of."
         elif any(".mlp." not in n and n.endswith(("gate_proj.weight", "up_proj.weight")) for n in extra):
-            hint = f" MLP weights without \"mlp.\" are the older project layout: convert with dflash export {directory} NEW_DIR."
+            hint = (" MLP weights without \"mlp.\" are the older project layout: convert with "
+                    f"dflash export {directory} NEW_DIR.")
         raise DrafterError(
             f"the tensors in {directory} do not match its {CONFIG_NAME} ({config.num_hidden_layers} layers): "
             f"missing {missing or 'none'}; extra {extra or 'none'}.{hint} Nothing was loaded: a drafter with "
@@ -429,6 +438,11 @@ def check_fits_target(config: DrafterConfig, target, where: str = "the drafter")
     if config.mask_token_id >= target.vocab_size:
         problems.append(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary "
                         f"(0..{target.vocab_size - 1})")
+    from dflash.io.engines import mask_token_problem
+
+    if getattr(target, "tokenizer", None) is not None and (problem := mask_token_problem(target.tokenizer,
+                                                                                          config.mask_token_id)):
+        problems.append(problem)
     fingerprint = getattr(target, "fingerprint", None)
     if not problems and fingerprint and config.target_fingerprint and config.target_fingerprint != fingerprint:
         problems.append(f"its target_fingerprint {config.target_fingerprint} != the target's {fingerprint} "

@@ -59,10 +59,11 @@ class DrafterConfig:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960  # longest sequence the engines size RoPE for (the target's)
     vocab_size: int                   # rows of the target's embedding / head
-    block_size: int = 16              # tokens per block: the anchor + bs-1 masked positions
+    block_size: int                   # tokens per block: the anchor + bs-1 masked positions (no default:
+                                      # the trainer's --block-size is the one default)
     num_target_layers: int            # decoder layers of the target
     target_layer_ids: list[int] = field(default_factory=list)  # tapped target layers, ascending; id l =
-                                      # output of decoder layer l (HF hidden_states[l + 1])
+                                      # output of decoder layer l (HF hidden_states[l + 1]; not the last)
     mask_token_id: int                # the MASK token filling positions 1..bs-1 of a block
     layer_types: list[str] = field(default_factory=list)  # per layer: full_attention or sliding_attention
                                       # (empty: all full_attention)

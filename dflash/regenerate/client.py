@@ -1,7 +1,7 @@
 """A client of an OpenAI-compatible chat-completions server (vLLM, SGLang), standard library only.
 
     ChatClient(url=chat_completions_url("http://host:8000"), model=..., max_tokens=...)
-      .complete(messages) --POST {model, messages, max_tokens, temperature[, seed, chat_template_kwargs]}-->
+      .complete(messages) --POST {model, messages, max_tokens, temperature[, seed, tools, chat_template_kwargs]}-->
       Reply(content, reasoning, cut)      retried on connection errors, timeouts, 408/429/5xx
 
 One client is shared by every worker thread of `dflash regenerate --endpoint` (dflash/regenerate/server.py):
@@ -94,6 +94,8 @@ class ChatClient:
                    "messages": [_wire_message(m) for m in messages]}
         if self.temperature > 0:
             request["seed"] = self.seed
+        if getattr(messages, "tools", None):  # the server renders them as the target's tools block
+            request["tools"] = messages.tools
         if self.chat_template_kwargs:
             request["chat_template_kwargs"] = self.chat_template_kwargs
         return json.dumps(request, ensure_ascii=False).encode("utf-8")

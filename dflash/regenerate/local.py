@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from dflash.data.chat import load_chat_jsonl, render, write_jsonl
+from dflash.data.chat import Conversation, load_chat_jsonl, render, tools_of, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
 
 def reply_slots(messages: list[dict]) -> list[int]:
     """Indices the target answers: each assistant message, plus one past the end after a final user (or
-    tool) turn. An assistant turn that calls tools is kept as the dataset has it: the target is not given
-    the tool schemas, so its answer could not make the call that the following `tool` message answers."""
+    tool) turn. An assistant turn that calls tools is kept as the dataset has it: its call is answered by
+    the following `tool` message, which no regenerated call would match."""
     slots = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
     if messages and messages[-1]["role"] in ("user", "tool"):
         slots.append(len(messages))
@@ -85,12 +85,12 @@ def regenerate(target, conversations: list[list[dict]], max_new_tokens: int, tem
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    result = [[dict(m) for m in messages] for messages in conversations]
+    result = [Conversation([dict(m) for m in messages], tools_of(messages)) for messages in conversations]
     slots = [reply_slots(messages) for messages in result]
     total_cut = total = 0
     for turn in range(max((len(s) for s in slots), default=0)):
         todo = [(c, s[turn]) for c, s in enumerate(slots) if turn < len(s)]
-        histories = [result[c][:slot] for c, slot in todo]
+        histories = [Conversation(result[c][:slot], result[c].tools) for c, slot in todo]  # with the tools
         replies, n_cut = generate_replies(target.model, target.tokenizer, histories, max_new_tokens,
                                           temperature=temperature, seed=seed + turn, batch_size=batch_size,
                                           progress=progress)

@@ -36,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.chat import DataReport, bad_record_reason, parse_conversation
+from dflash.data.chat import Conversation, DataReport, bad_record_reason, jsonl_record, parse_conversation, tools_of
 from dflash.errors import ConfigError, DataError, ServerError
 from dflash.regenerate.local import reply_slots
 from dflash.regenerate.client import ChatClient, RequestFailed, Stopped
@@ -46,10 +46,10 @@ log = logging.getLogger(__name__)
 
 def answer_conversation(client: ChatClient, messages: list[dict]) -> tuple[list[dict], int, int]:
     """The conversation with every reply slot answered by the server, in order; (messages, cut, requests)."""
-    result = [dict(m) for m in messages]
+    result = Conversation([dict(m) for m in messages], tools_of(messages))
     n_cut = n_requests = 0
     for slot in reply_slots(messages):
-        reply, attempts = client.complete(result[:slot])
+        reply, attempts = client.complete(Conversation(result[:slot], result.tools))
         n_requests += attempts
         answer = {"role": "assistant", "content": reply.content}
         if reply.reasoning:
@@ -292,7 +292,7 @@ def regenerate_via_server(client: ChatClient, data, out, *, concurrency: int = 3
                                       in_a_row, exc.reason)
                             client.stop.set()
                     else:
-                        writer.write({"id": item.key, "messages": messages})
+                        writer.write({"id": item.key, **jsonl_record(messages)})
                         summary.written += 1
                         summary.requests += n_requests
                         summary.cut += n_cut

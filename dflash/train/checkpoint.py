@@ -1,18 +1,16 @@
 """Checkpoints that survive a crash mid-write, and resume that refuses what does not fit.
 
-Layout of an output dir:
+Layout of the run directory's checkpoints/ (the run directory itself: dflash.train.rundir):
 
-    <out>/config.json                  resolved TrainConfig of the run
-    <out>/train.log
-    <out>/checkpoints/latest           name of the newest complete checkpoint (replaced atomically)
-    <out>/checkpoints/step-00000300/   one checkpoint
-        drafter/                       the drafter in the reference DFlash layout (dflash.drafter_io),
-                                       its weights in float32 as trained ("dtype": "float32")
-        trainer_state.pt               optimizer, scheduler, RNG, data position, step (tensors and plain
-                                       Python values only, so it loads with torch.load(weights_only=True))
-        train_config.json              the TrainConfig that wrote it
-    <out>/drafter/                     the final drafter: the last checkpoint's, in bf16 (what vLLM and
-                                       SGLang serve; --drafter-dtype fp32 keeps float32)
+    checkpoints/latest             name of the newest complete checkpoint (replaced atomically)
+    checkpoints/step-00000300/     one checkpoint
+        drafter/                   the drafter in the reference DFlash layout (dflash.io.drafter),
+                                   its weights in float32 as trained ("dtype": "float32")
+        trainer_state.pt           optimizer, scheduler, RNG, data position, step (tensors and plain
+                                   Python values only, so it loads with torch.load(weights_only=True))
+        train_config.json          the TrainConfig that wrote it
+    <out>/drafter/ (export_drafter) the final drafter: the last checkpoint's, in bf16 (what vLLM and
+                                   SGLang serve; --drafter-dtype fp32 keeps float32)
 
 A checkpoint is written into a hidden temp dir (every file fsynced) and renamed into place in one
 step; `latest` moves only after that. A failure at any point (disk full, kill -9) leaves the previous
@@ -48,10 +46,12 @@ def capture_rng() -> dict:
 
 
 def restore_rng(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    """Set the RNG states `capture_rng` took (moved to the CPU first: torch.set_rng_state takes CPU
+    ByteTensors, whatever map_location did when the state was loaded)."""
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # --- writing ---------------------------------------------------------------------------------------

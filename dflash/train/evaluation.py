@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -66,12 +67,12 @@ def eval_split(config: TrainConfig, target, items: list[dict]) -> tuple[list[dic
     """The run's (training items, evaluation items) as --eval-data / --eval-fraction say."""
     if hasattr(items, "eval"):  # dflash.token_cache made (and cached) the split while tokenising --data
         return items, list(items.eval or [])
-    if config.eval_data:
+    if config.watch.eval_data:
         from dflash.data.batches import load_items
 
-        eval_items = load_items(config.__class__(**{**config.to_dict(), "data": config.eval_data}), target)
+        eval_items = load_items(config.replace(data=config.watch.eval_data), target)
         return items, eval_items
-    return split_items(items, config.eval_fraction, config.seed)
+    return split_items(items, config.watch.eval_fraction, config.optim.seed)
 
 
 def prompt_of(item: dict) -> list[int]:
@@ -90,19 +91,20 @@ def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: d
     drafter.eval()
     totals = None
     lengths = [len(it["input_ids"]) for it in items]
-    for batch_ids in make_batches(lengths, config.max_tokens, config.batch_size, config.seed, epoch=0):
+    bs, optim = config.model.block_size, config.optim
+    for batch_ids in make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
         mine = distributed.shard(batch_ids, d)
         if not mine:
             continue
-        anchors = [sample_anchors(items[i]["loss_mask"], config.max_anchors,
+        anchors = [sample_anchors(items[i]["loss_mask"], config.model.max_anchors,
                                   torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i)) for i in mine]
         batch = {k: v.to(d.device) for k, v in collate([items[i] for i in mine], pad_id).items()}
-        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=config.block_size,
-                                gamma=config.gamma, autocast_dtype=autocast_dtype).pack()
+        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=bs,
+                                gamma=config.model.gamma, autocast_dtype=autocast_dtype).pack()
         totals = sums if totals is None else totals + sums
     if totals is None:  # this rank had no share: zeros keep the all-reduce in step
-        totals = torch.zeros(4 + 4 * (config.block_size - 1), device=d.device)
-    metrics = summarize(distributed.all_reduce_sum(d, totals), config.block_size)
+        totals = torch.zeros(4 + 4 * (bs - 1), device=d.device)
+    metrics = summarize(distributed.all_reduce_sum(d, totals), bs)
     metrics["sequences"] = len(items)
     drafter.train(was_training)
     return metrics
@@ -121,11 +123,12 @@ def replayed_tau(config: TrainConfig, drafter, target, items: list[dict], pad_id
         if not anchors.numel():
             continue
         batch = {k: v.to(target.device) for k, v in collate([item], pad_id).items()}
-        correct = micro_batch_sums(drafter, target, batch, [anchors], block_size=config.block_size,
-                                   gamma=config.gamma, autocast_dtype=autocast_dtype, keep_correct=True).block_correct
+        correct = micro_batch_sums(drafter, target, batch, [anchors], block_size=config.model.block_size,
+                                   gamma=config.model.gamma, autocast_dtype=autocast_dtype,
+                                   keep_correct=True).block_correct
         accepted = dict(zip(anchors.tolist(), (1 + correct[0].long().cumprod(-1).sum(-1)).tolist()))
         p, n = int(torch.nonzero(mask).flatten()[0]), 0
-        while p in accepted and n < config.eval_new_tokens:
+        while p in accepted and n < config.demo.eval_new_tokens:
             n, steps, p = n + accepted[p], steps + 1, p + accepted[p]
         tokens += n
     drafter.train(was_training)
@@ -137,12 +140,33 @@ def measured_tau(config: TrainConfig, drafter, target, items: list[dict], pad_id
     """tau by speculative decoding (greedy verification) on the first --eval-tau-prompts prompts."""
     from dflash.decode.evaluate import evaluate
 
-    prompts = [p for p in (prompt_of(it) for it in items[: config.eval_tau_prompts]) if p]
+    n_prompts, new_tokens = config.watch.eval_tau_prompts, config.demo.eval_new_tokens
+    prompts = [p for p in (prompt_of(it) for it in items[:n_prompts]) if p]
     was_training = drafter.training
     # the fp32 master weights meet a bf16 target as in training: under autocast
     with torch.autocast(target.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
-        result = evaluate(target, drafter.eval(), prompts, config.eval_new_tokens, check_lossless=False)
+        result = evaluate(target, drafter.eval(), prompts, new_tokens, check_lossless=False)
     drafter.train(was_training)
     return {"tau": round(result["tau"], 4), "tau_prompts": len(prompts), "tau_tokens": result["n_tokens"],
-            "tau_replay": replayed_tau(config, drafter, target, items[: config.eval_tau_prompts], pad_id,
-                                       autocast_dtype)}
+            "tau_replay": replayed_tau(config, drafter, target, items[:n_prompts], pad_id, autocast_dtype)}
+
+
+@dataclass
+class SplitEvaluator:
+    """One evaluation of the drafter being trained on the evaluation split: loss and acceptance (every
+    rank takes part) and, with --eval-tau-prompts, tau by decoding (rank 0). The monitor calls it."""
+
+    config: TrainConfig
+    drafter: torch.nn.Module  # the bare drafter (not the DDP wrapper)
+    target: object
+    items: list[dict]
+    d: distributed.Dist
+    pad_id: int
+    autocast_dtype: torch.dtype
+
+    def __call__(self) -> dict:
+        args = (self.config, self.drafter, self.target, self.items)
+        m = evaluate_split(*args, self.d, self.pad_id, self.autocast_dtype)
+        if self.config.watch.eval_tau_prompts and self.d.is_main:
+            m.update(measured_tau(*args, self.pad_id, self.autocast_dtype))
+        return m

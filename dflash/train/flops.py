@@ -5,16 +5,20 @@ Model FLOPs count the useful work only (recomputation and masked-out attention d
                   pairs) per full-attention layer (the GatedDeltaNet recurrences, under 1 %, are left out)
   drafter         3 x forward (forward + backward): 2 x parameters x the rows each matrix sees (q/o/MLP:
                   block rows; k/v: context + block rows; fc: context rows) + 4 x head_dim x heads x
-                  (visible query-key pairs of the drafter mask, dflash.masks)
+                  (visible query-key pairs of the drafter mask, dflash.model.masks)
   LM head         4 x hidden x vocab x scored rows (forward + input gradient; the head is frozen)
-bench/bench_train.py counts the drafter's visible pairs from the dense mask; the trainer counts them
-from the anchor positions (`drafter_pairs`): a block anchored at a sees the a context positions before
-it and its own bs tokens (a sliding window W cuts the context to W on every layer but the last).
+The trainer counts the drafter's visible pairs from the anchor positions (`drafter_pairs`): a block
+anchored at a sees the a context positions before it and its own bs tokens (a sliding window W cuts the
+context to W on every layer but the last). `dense_mask_flops` counts them from the drafter's dense mask
+instead, part by part: the check of the trainer's count, and what bench/bench_train.py reports.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dflash.model.masks import drafter_attention_mask
+from dflash.train.blocks import build_blocks
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, by device name.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "B200": 2250.0, "B300": 2250.0,
@@ -80,6 +84,38 @@ class StepFlops:
     def __call__(self, items: list[dict], anchors: list[torch.Tensor]) -> float:
         lengths = [int(it["input_ids"].numel()) for it in items]
         return target_forward_flops(self.target, lengths) + sum(drafter_and_head_flops(self.dcfg, items, anchors))
+
+
+def dense_mask_flops(target, dcfg, input_ids: torch.Tensor, attention_mask: torch.Tensor, blocks) -> dict:
+    """Model FLOPs of one micro-batch step by part, with the drafter's visible query-key pairs counted
+    exactly from its dense mask ([B, N*bs, T + N*bs], dflash.model.masks): the formulas above.
+
+    input_ids, attention_mask: [B, T]; blocks: build_blocks' result for them (anchors [B, N]).
+    Returns {target_forward, drafter, lm_head, total} in FLOPs, tokens (unpadded) and
+    drafter_mask_density (visible pairs / all pairs of the valid block rows)."""
+    T = input_ids.shape[1]
+    lengths = [int(n) for n in attention_mask.sum(1).tolist()]
+    tokens = sum(lengths)
+    target_f = target_forward_flops(target, lengths)
+    bs = dcfg.block_size
+    rows = int(blocks.anchor_valid.sum()) * bs
+    mask = drafter_attention_mask(blocks.anchors, T, bs, attention_mask.bool(), blocks.anchor_valid)
+    valid_rows = blocks.anchor_valid.repeat_interleave(bs, dim=1)
+    pairs = float(mask[valid_rows].sum())
+    drafter_f = drafter_flops(dcfg, tokens, rows, pairs)
+    head_f = head_flops(dcfg, int(blocks.label_valid.sum()))
+    dense_pairs = rows * (T + blocks.anchors.shape[1] * bs)
+    return {"target_forward": target_f, "drafter": drafter_f, "lm_head": head_f,
+            "total": target_f + drafter_f + head_f, "tokens": tokens,
+            "drafter_mask_density": pairs / max(1, dense_pairs)}
+
+
+def batch_flops(target, batch: dict, anchors: list[torch.Tensor], dcfg) -> dict:
+    """dense_mask_flops of a collated micro-batch (input_ids, loss_mask, attention_mask [B, T]) with these
+    anchors (B sorted position tensors), its blocks built as the step builds them: the MFU's numerator."""
+    blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, dcfg.block_size,
+                          target.mask_token_id)
+    return dense_mask_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -1,14 +1,19 @@
 """What a training run shows while it runs: metrics.jsonl, the log, trackers, evaluations, the report.
 
+`setup_logging` sends the "dflash" loggers to stderr and, on rank 0, to the run's train.log.
+
 After every optimizer step the trainer hands its record to `RunMonitor.step`, which adds
     tokens_per_s   real tokens of all ranks per second, averaged since the last log line
-    mfu            model FLOPs utilisation of this GPU (dflash.flops; GPU only)
+    mfu            model FLOPs utilisation of this GPU (dflash.train.flops; GPU only)
     gpu_mem_gib    peak GPU memory allocated since the previous step (GPU only)
 and, on rank 0, appends it to <out>/metrics.jsonl ("split": "train"), logs every --log-every steps and
 sends it to the --report-to trackers. Every --eval-every steps, and at the end of a run with an evaluation
-split, it evaluates (dflash.train_eval; every rank takes part) and writes a "split": "eval" record the
-same ways. At the end, rank 0 writes the run report (dflash.report: plots and a summary).
-The time an evaluation takes is not counted in tokens/s.
+split, it evaluates (the trainer's dflash.train.evaluation.SplitEvaluator; every rank takes part) and
+writes a "split": "eval" record the same ways. At the end, rank 0 writes the run report
+(dflash.train.run_report: plots and a summary). The time an evaluation takes is not counted in tokens/s.
+
+Data flows one way: the monitor gets what it needs when the run starts (MonitorPlan, the run directory,
+the FLOP counter, the evaluator) and the records as they come; it reads nothing back from the trainer.
 """
 
 from __future__ import annotations
@@ -16,25 +21,60 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from dflash.distributed import Dist
 from dflash.train.flops import StepFlops, peak_flops
+from dflash.train.rundir import RunDir
 from dflash.train.trackers import open_trackers
-from dflash.train.evaluation import evaluate_split, measured_tau
 
 log = logging.getLogger("dflash.train")
 
 
+@dataclass(frozen=True)
+class MonitorPlan:
+    """What the monitor knows of the run before its first step."""
+
+    total_steps: int        # optimizer steps the run will take
+    log_every: int          # --log-every
+    eval_every: int         # --eval-every (0: only at the end)
+    report_to: list[str]    # --report-to
+    options: dict           # the run's options, flat (TrainConfig.to_flat): the trackers record them
+
+
+def setup_logging(run: RunDir, is_main: bool) -> None:
+    """Log to stderr and to the run's train.log (rank 0 only; other ranks only warn)."""
+    logger = logging.getLogger("dflash")
+    logger.setLevel(logging.INFO if is_main else logging.WARNING)
+    for h in list(logger.handlers):
+        if getattr(h, "_dflash", False):
+            logger.removeHandler(h)
+            h.close()
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    handlers = [logging.StreamHandler()]
+    if is_main:
+        run.root.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(run.log))
+    for h in handlers:
+        h.setFormatter(fmt)
+        h._dflash = True
+        logger.addHandler(h)
+    logger.propagate = False
+
+
 class RunMonitor:
-    def __init__(self, trainer, eval_items: list[dict]):
-        self.trainer, self.eval_items = trainer, eval_items
-        cfg, d = trainer.config, trainer.d
-        self.config, self.d, self.cuda = cfg, d, d.device.type == "cuda"
-        self.metrics_path = cfg.out_dir / "metrics.jsonl"
-        self.trackers = open_trackers(cfg.report_to or [], cfg.out_dir, cfg.to_dict(), is_main=d.is_main)
+    def __init__(self, plan: MonitorPlan, run: RunDir, d: Dist, *, flops: StepFlops | None = None,
+                 evaluate: Callable[[], dict] | None = None):
+        """`flops` counts a micro-batch's model FLOPs (for MFU, on a GPU); `evaluate()` evaluates the drafter
+        being trained on the evaluation split (every rank calls it), None when there is no split."""
+        self.plan, self.run, self.d, self.evaluator = plan, run, d, evaluate
+        self.cuda = d.device.type == "cuda"
+        self.trackers = open_trackers(plan.report_to, run, plan.options, is_main=d.is_main)
         self.peak = peak_flops(d.device)
-        self.flops = StepFlops(trainer.target, trainer.drafter_config) if self.peak else None
+        self.flops = flops if self.peak else None
         self.last_eval = None
         self._restart_window()
 
@@ -49,13 +89,13 @@ class RunMonitor:
     def _write(self, record: dict, split: str) -> None:
         if not self.d.is_main:
             return
-        with open(self.metrics_path, "a") as fh:
+        with open(self.run.metrics, "a") as fh:
             fh.write(json.dumps({**record, "split": split}) + "\n")
         self.trackers.log(record, split)
 
     def step(self, m: dict) -> None:
         """Throughput and memory into `m`, then metrics.jsonl, the log, trackers and a due evaluation."""
-        cfg, step = self.config, m["step"]
+        plan, step = self.plan, m["step"]
         self.window_tokens += m["tokens"]
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         m["tokens_per_s"] = round(self.window_tokens / elapsed, 1)
@@ -65,46 +105,40 @@ class RunMonitor:
             m["gpu_mem_gib"] = round(torch.cuda.max_memory_allocated(self.d.device) / 2**30, 3)
             torch.cuda.reset_peak_memory_stats(self.d.device)
         self._write(m, "train")
-        if self.d.is_main and (step % cfg.log_every == 0 or step == self.trainer.total_steps):
-            log.info("step %d/%d loss %.4f acc %.3f lr %.2e tok/s %.0f acc/pos %s", step,
-                     self.trainer.total_steps, m["loss"], m["acc"], m["lr"], m["tokens_per_s"],
-                     " ".join(f"{a:.2f}" for a in m["acc_per_pos"]))
+        if self.d.is_main and (step % plan.log_every == 0 or step == plan.total_steps):
+            log.info("step %d/%d loss %.4f acc %.3f lr %.2e tok/s %.0f acc/pos %s", step, plan.total_steps,
+                     m["loss"], m["acc"], m["lr"], m["tokens_per_s"], " ".join(f"{a:.2f}" for a in m["acc_per_pos"]))
             self._restart_window()
-        if self.eval_items and cfg.eval_every and step % cfg.eval_every == 0:
-            self.evaluate()
+        if self.evaluator and plan.eval_every and step % plan.eval_every == 0:
+            self.evaluate(step)
 
-    def evaluate(self) -> dict:
+    def evaluate(self, step: int) -> dict:
         """One evaluation of the current drafter on the evaluation split (all ranks), recorded on rank 0."""
-        t = self.trainer
         start = time.perf_counter()
-        m = {"step": t.step, **evaluate_split(self.config, t.drafter, t.target, self.eval_items, self.d,
-                                               t.pad_id, t.autocast_dtype)}
-        if self.config.eval_tau_prompts and self.d.is_main:
-            m.update(measured_tau(self.config, t.drafter, t.target, self.eval_items, t.pad_id,
-                                  t.autocast_dtype))
+        m = {"step": step, **self.evaluator()}
         m["eval_s"] = round(time.perf_counter() - start, 2)
         self._write(m, "eval")
         if self.d.is_main:
             measured = (f" tau {m['tau']:.2f} (replayed {m['tau_replay']:.2f}) on {m['tau_prompts']} prompts"
                         if "tau" in m else "")
-            log.info("eval step %d loss %.4f acc %.3f tau_est %.2f%s accept/pos %s", t.step, m["loss"], m["acc"],
+            log.info("eval step %d loss %.4f acc %.3f tau_est %.2f%s accept/pos %s", step, m["loss"], m["acc"],
                      m["tau_est"], measured, " ".join(f"{a:.2f}" for a in m["accept_per_pos"]))
-        self.last_eval = t.step
+        self.last_eval = step
         self._restart_window()
         return m
 
-    def close(self, stopped: bool) -> None:
+    def close(self, step: int, stopped: bool) -> None:
         """The final evaluation (a finished run with an evaluation split), trackers closed, the report."""
         try:
-            if self.eval_items and not stopped and self.last_eval != self.trainer.step:
-                self.evaluate()
+            if self.evaluator and not stopped and self.last_eval != step:
+                self.evaluate(step)
         finally:
             self.trackers.close()
-        if self.d.is_main and self.metrics_path.exists():
+        if self.d.is_main and self.run.metrics.exists():
             from dflash.train.run_report import write_report
 
             try:
-                log.info("report %s", write_report(self.config.out_dir))
+                log.info("report %s", write_report(self.run.root))
             except Exception as exc:  # the run's results stand without their plots
                 log.warning("could not write the run report: %s (run `dflash report %s` to retry)",
-                            exc, self.config.out_dir)
+                            exc, self.run.root)

@@ -4,7 +4,8 @@ From the file system, the target's config.json and its tokenizer alone:
 - the --data / --eval-data paths exist, are data the loader reads (a file of a known format, a directory
   holding shards, a saved dataset) and hold at least one record (not only empty files);
 - the target's config.json is valid JSON with a model_type that transformers knows; --target-layer-ids
-  are layers of the target; the mask token resolves;
+  are layers of the target; the mask token resolves, and both are ones vLLM and SGLang serve
+  (dflash.io.engines: not the last layer; the tokenizer's <|MASK|>);
 - with --resume: the checkpoint to continue from is there and readable (its drafter's header and its
   trainer state, read without their tensor data).
 Each failure is the same error, with the same message, that the full load would give later.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash.config import TrainConfig
 from dflash.errors import CheckpointError, DataError, DflashError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
@@ -65,11 +67,11 @@ def check_data_source(flag: str, value) -> None:
                         '{"messages": [...]} conversation per line (or JSON, Parquet, a directory of them)')
 
 
-def check_data_paths(config) -> None:
+def check_data_paths(config: TrainConfig) -> None:
     """A --data or --eval-data that is plainly a local file path must exist; every one that exists must be
     data the loader reads and hold a record (names resolved by the data loader, such as saved datasets,
     are left to it)."""
-    for flag, value in (("--data", config.data), ("--eval-data", getattr(config, "eval_data", None))):
+    for flag, value in (("--data", config.io.data), ("--eval-data", config.watch.eval_data)):
         if not value:
             continue
         path = Path(value).expanduser()
@@ -81,22 +83,24 @@ def check_data_paths(config) -> None:
             check_data_source(flag, path)
 
 
-def check_target_cheaply(config) -> None:
+def check_target_cheaply(config: TrainConfig) -> None:
     """The target's config.json, --target-layer-ids and the mask token against the target's config.json and
     tokenizer; skipped when --target is not a local model directory (the loader says why) or --init-drafter
     decides both."""
-    if not config.target or getattr(config, "init_drafter", None):
+    if not config.io.target or config.model.init_drafter:
         return
-    path = Path(config.target)
+    path = Path(config.io.target)
     if not (path / "config.json").is_file():
         return
+    from dflash.io.engines import check_servable
     from dflash.model.target import _resolve_mask_token, check_layer_ids, load_target_tokenizer, read_target_config
 
     text = read_target_config(path).get_text_config()
-    if config.target_layer_ids is not None:
-        check_layer_ids(config.target_layer_ids, int(text.num_hidden_layers))
+    if config.model.target_layer_ids is not None:
+        check_layer_ids(config.model.target_layer_ids, int(text.num_hidden_layers))
     tokenizer = load_target_tokenizer(path)
-    _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.mask_token)
+    mask_id = _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.model.mask_token)
+    check_servable(config.model.target_layer_ids or [], int(text.num_hidden_layers), tokenizer, mask_id)
 
 
 def _load_error(exc: Exception) -> str:
@@ -126,11 +130,11 @@ def _damaged(checkpoint: Path, what: Path, reason: str) -> CheckpointError:
     return CheckpointError(f"{what} is damaged ({reason}), so checkpoint {checkpoint.name} cannot be resumed. {fix}.")
 
 
-def check_resume_checkpoint(config) -> None:
+def check_resume_checkpoint(config: TrainConfig) -> None:
     """With --resume: the checkpoint `latest` names exists, its drafter's config and tensor headers read, and
     its trainer state unpickles (tensors memory-mapped, not read): a damaged file is named before the target
     loads, with the way out."""
-    if not getattr(config, "resume", False):
+    if not config.io.resume:
         return
     import zipfile
 
@@ -138,8 +142,9 @@ def check_resume_checkpoint(config) -> None:
 
     from dflash.io.drafter import read_drafter_config
     from dflash.train.checkpoint import STATE_FILE, latest_checkpoint
+    from dflash.train.rundir import RunDir
 
-    root = Path(config.out) / "checkpoints"
+    root = RunDir(config.io.out).checkpoints
     last = latest_checkpoint(root)
     if last is None:
         raise CheckpointError(f"--resume: no checkpoint in {root}. Drop --resume to start a new run there.")
@@ -159,7 +164,7 @@ def check_resume_checkpoint(config) -> None:
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
 
 
-def check_before_loading(config, *, data: bool = True, target: bool = True) -> None:
+def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True) -> None:
     if data:
         check_data_paths(config)
     if target:

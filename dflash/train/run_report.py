@@ -26,7 +26,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DflashError
+from dflash.train.rundir import RunDir
 
 log = logging.getLogger("dflash.train")
 
@@ -101,7 +102,7 @@ def read_records(run_dir: Path, problems: list[str] | None = None) -> tuple[list
     """(training records, evaluation records) of metrics.jsonl, one per step, by step. What had to be left
     out (module docstring) is appended to `problems`."""
     problems = [] if problems is None else problems
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: {run_dir} is not a dflash-train output dir, or the run "
                           "has not finished a step yet.")
@@ -245,21 +246,16 @@ def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config
     return "\n".join(lines) + "\n"
 
 
-def read_config(run_dir: Path, problems: list[str]) -> dict:
-    """The run's config.json (its settings for the summary), or {} when it is missing or unreadable (then
-    described in `problems`)."""
-    path = run_dir / "config.json"
-    if not path.is_file():
-        return {}
+def read_config(run: RunDir, problems: list[str]) -> dict:
+    """The run's options, flat (its settings for the summary), or {} when config.json is missing or cannot be
+    read as a run's config (then described in `problems`)."""
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        problems.append(f"{path.name}: cannot be read ({type(exc).__name__}); the run's settings are left out")
+        return run.stored_options()
+    except (DflashError, TypeError, ValueError, RecursionError) as exc:  # TypeError: a value of a wrong type
+        text = " ".join(str(exc).split())
+        problems.append(f"{run.config.name}: cannot be read as the run's settings ({type(exc).__name__}: "
+                        f"{text[:120]}); they are left out")
         return {}
-    if not isinstance(config, dict):
-        problems.append(f"{path.name}: a JSON {type(config).__name__}, not the run's settings; they are left out")
-        return {}
-    return config
 
 
 def write_report(run_dir, warn: Callable[[str], None] | None = None) -> Path:
@@ -267,21 +263,21 @@ def write_report(run_dir, warn: Callable[[str], None] | None = None) -> Path:
     goes to `warn` (default: the log), one message."""
     from common.fsutil import atomic_write
 
-    run_dir = Path(run_dir)
+    run = RunDir(run_dir)
     problems: list[str] = []
-    train, evals = read_records(run_dir, problems)
-    config = read_config(run_dir, problems)
+    train, evals = read_records(run.root, problems)
+    config = read_config(run, problems)
     if problems:
         shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + ("; ..." if len(problems) > MAX_PROBLEMS_SHOWN else "")
-        (warn or log.warning)(f"left out of the report of {run_dir} ({len(problems)}): {shown}. Fix or delete "
+        (warn or log.warning)(f"left out of the report of {run.root} ({len(problems)}): {shown}. Fix or delete "
                               "those lines to have them in it.")
-    out = run_dir / "report"
+    out = run.report
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_plots(out, train, evals)
         report = out / "report.md"
-        atomic_write(report, summary_markdown(run_dir, train, evals, config, problems))
+        atomic_write(report, summary_markdown(run.root, train, evals, config, problems))
     except OSError as exc:
-        raise ConfigError(f"cannot write the report into {out} ({type(exc).__name__}: {exc}); make {run_dir} "
+        raise ConfigError(f"cannot write the report into {out} ({type(exc).__name__}: {exc}); make {run.root} "
                           "writable (and free disk space), then run `dflash report` again.") from None
     return report

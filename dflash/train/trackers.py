@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib
 import math
-from pathlib import Path
 
 from dflash.config import check_report_to
 from dflash.errors import ConfigError
+from dflash.train.rundir import RunDir
 
 # Where each tracker comes from: its import name and the install command a missing one prints.
 _PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),
@@ -50,11 +50,11 @@ def _import(name: str):
 
 
 class TensorBoardTracker:
-    def __init__(self, out_dir: Path, config: dict):
+    def __init__(self, run: RunDir, config: dict):
         _import("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = Path(out_dir) / "tensorboard"
+        self.log_dir = run.tensorboard
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
         self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(config.items())), 0)
 
@@ -68,9 +68,9 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, out_dir: Path, config: dict):
+    def __init__(self, run: RunDir, config: dict):
         wandb = _import("wandb")
-        self.run = wandb.init(name=Path(out_dir).name, dir=str(out_dir), config=config)
+        self.run = wandb.init(name=run.root.name, dir=str(run.wandb.parent), config=config)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -80,9 +80,9 @@ class WandbTracker:
 
 
 class TrackioTracker:
-    def __init__(self, out_dir: Path, config: dict):
+    def __init__(self, run: RunDir, config: dict):
         self.trackio = _import("trackio")
-        self.trackio.init(project="dflash", name=Path(out_dir).name, config=config)
+        self.trackio.init(project="dflash", name=run.root.name, config=config)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.trackio.log(values, step=step)
@@ -110,15 +110,16 @@ class Trackers:
             tracker.close()
 
 
-def open_trackers(names: list[str], out_dir: Path, config: dict, *, is_main: bool = True) -> Trackers:
-    """The trackers named by --report-to, opened on rank 0 (other ranks get an empty set)."""
+def open_trackers(names: list[str], run: RunDir, config: dict, *, is_main: bool = True) -> Trackers:
+    """The trackers named by --report-to for the run in `run`, opened on rank 0 (other ranks get an empty
+    set); `config` is the run's options, flat, which the trackers record."""
     chosen = check_report_to(names)
     if not is_main:
         return Trackers([])
     opened = []
     try:
         for name in chosen:
-            opened.append(_CLASSES[name](Path(out_dir), config))
+            opened.append(_CLASSES[name](run, config))
     except BaseException:
         Trackers(opened).close()
         raise

@@ -35,7 +35,10 @@ from dflash.train.losses import LOSS_CHUNK_ROWS
 from dflash.train.precheck import check_before_loading
 from dflash.train.schedule import lr_lambda
 from dflash.train.signals import StopFlag
-from dflash.train.evaluation import eval_split
+from dflash.train.evaluation import SplitEvaluator, eval_split
+from dflash.train.flops import StepFlops
+from dflash.train.monitor import MonitorPlan, RunMonitor, setup_logging
+from dflash.train.rundir import RunDir
 from dflash.train.step import StepSums, backward, micro_batch_sums, summarize
 
 log = logging.getLogger("dflash.train")
@@ -57,14 +60,15 @@ FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels refuse narrower head
 def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | None = None) -> str:
     """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere
     and for heads narrower than flex's kernels take."""
-    if config.attention == "flex" and device.type != "cuda":
+    attention = config.runtime.attention
+    if attention == "flex" and device.type != "cuda":
         raise ConfigError(f"--attention flex needs a GPU: flex_attention has no backward on {device.type}; "
                           "use --attention sdpa (or auto, which picks sdpa there).")
-    if config.attention == "flex" and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
+    if attention == "flex" and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
         raise ConfigError(f"--attention flex needs head_dim >= {FLEX_MIN_HEAD_DIM} (flex_attention's kernels), but "
                           f"the drafter's heads are {head_dim} wide; use --attention sdpa (or auto).")
-    if config.attention != "auto":
-        return config.attention
+    if attention != "auto":
+        return attention
     wide_enough = head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if device.type == "cuda" and wide_enough else "sdpa"
 
@@ -72,7 +76,7 @@ def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | No
 def compile_layers(config: TrainConfig, device: torch.device) -> bool:
     """--compile resolved for `device`: 'auto' compiles the drafter's layers on a GPU only (on a CPU the
     compile costs more than it saves on the small models trained there)."""
-    return config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+    return config.runtime.compile == "on" or (config.runtime.compile == "auto" and device.type == "cuda")
 
 
 def auto_precision(device: torch.device) -> torch.dtype:
@@ -82,19 +86,19 @@ def auto_precision(device: torch.device) -> torch.dtype:
 
 def precision(config: TrainConfig, device: torch.device) -> torch.dtype:
     """--precision resolved for `device`: the autocast dtype of the drafter and the dtype of the target."""
-    if config.precision == "auto":
+    if config.runtime.precision == "auto":
         return auto_precision(device)
-    return torch.bfloat16 if config.precision == "bf16" else torch.float32
+    return torch.bfloat16 if config.runtime.precision == "bf16" else torch.float32
 
 
 def _oom_message(config: TrainConfig, shape: tuple[int, int], n_anchors: int, vocab: int) -> str:
-    B, T = shape
+    (B, T), model, optim = shape, config.model, config.optim
     return (
         f"out of memory on a micro-batch of {B} x {T} tokens with {n_anchors} anchors x block "
-        f"{config.block_size} ({n_anchors * config.block_size} drafter positions; logits over {vocab} tokens "
+        f"{model.block_size} ({n_anchors * model.block_size} drafter positions; logits over {vocab} tokens "
         f"are taken {LOSS_CHUNK_ROWS} rows at a time). "
-        f"Lower --max-anchors (now {config.max_anchors}), --max-tokens (now {config.max_tokens}), "
-        f"--batch-size (now {config.batch_size}) or --max-length (now {config.max_length}); "
+        f"Lower --max-anchors (now {model.max_anchors}), --max-tokens (now {optim.max_tokens}), "
+        f"--batch-size (now {optim.batch_size}) or --max-length (now {model.max_length}); "
         "raise --grad-accum to keep the same tokens per optimizer step."
     )
 
@@ -105,51 +109,58 @@ class Trainer:
     def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
                  stop: StopFlag, on_step: Callable[[int, dict], None] | None = None,
                  eval_items: list[dict] | None = None):
-        from dflash.train.monitor import RunMonitor
-
         from dflash.io.drafter import load_drafter
         from dflash.model.drafter import Drafter
 
         self.config, self.target, self.items, self.d, self.stop = config, target, items, d, stop
         self.on_step = on_step
-        self.root = config.out_dir / "checkpoints"
+        self.run_dir = RunDir(config.io.out)
         self.pad_id = _pad_id(target)
         self.autocast_dtype = precision(config, d.device)
         self.drafter_config = drafter_config(config, target)
-        torch.manual_seed(config.seed)  # the same initial drafter on every rank and on every rerun
+        model, optim = config.model, config.optim
+        torch.manual_seed(optim.seed)  # the same initial drafter on every rank and on every rerun
         attention = attention_impl(config, d.device, self.drafter_config.head_dim)
         self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
-        if config.init_drafter:  # float32 master weights, whatever the file holds
-            self.drafter.load_state_dict(load_drafter(config.init_drafter, dtype=torch.float32).state_dict())
+        if model.init_drafter:  # float32 master weights, whatever the file holds
+            self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
         if compile_layers(config, d.device):
             self.drafter.compile_layers()
         self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
             if d.enabled else self.drafter
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=config.lr,
-                                           weight_decay=config.weight_decay,
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
                                            fused=d.device.type == "cuda")
         self.fingerprint = data_fingerprint(items)
         self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
         self.order = self._data_order()
-        self.total_steps = config.max_steps or config.epochs * math.ceil(self.order.batches_per_epoch
-                                                                         / config.grad_accum)
+        self.total_steps = optim.max_steps or optim.epochs * math.ceil(self.order.batches_per_epoch
+                                                                       / optim.grad_accum)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(self.total_steps, config.warmup_ratio))
+            self.optimizer, lr_lambda(self.total_steps, optim.warmup_ratio))
         self.step = 0
-        self.heartbeat = Heartbeat(every=config.heartbeat_every) if d.is_main else None
-        self.monitor = RunMonitor(self, eval_items or [])  # metrics.jsonl, log, trackers, evaluation
+        self.heartbeat = Heartbeat(every=config.runtime.heartbeat_every) if d.is_main else None
+        # metrics.jsonl, log, trackers, evaluation: told what it needs once, then handed each step's record
+        evaluate = SplitEvaluator(config, self.drafter, target, eval_items, d, self.pad_id,
+                                  self.autocast_dtype) if eval_items else None
+        plan = MonitorPlan(total_steps=self.total_steps, log_every=config.runtime.log_every,
+                           eval_every=config.watch.eval_every, report_to=config.watch.report_to or [],
+                           options=config.to_flat())
+        self.monitor = RunMonitor(plan, self.run_dir, d, flops=StepFlops(target, self.drafter_config),
+                                  evaluate=evaluate)
 
     def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder:
-        cfg = self.config
-        return DataOrder(self.lengths, cfg.max_tokens, cfg.batch_size, cfg.seed, epoch=epoch, index=index)
+        optim = self.config.optim
+        return DataOrder(self.lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=epoch, index=index)
 
     # --- resume ------------------------------------------------------------------------------------
     def restore(self) -> Path | None:
         """Load the latest checkpoint of --out (when --resume); refuse one that does not fit."""
-        last = ckpt.latest_checkpoint(self.root)
+        root = self.run_dir.checkpoints
+        last = ckpt.latest_checkpoint(root)
         if last is None:
             raise CheckpointError(
-                f"--resume: no checkpoint in {self.root}. Drop --resume to start a new run there.")
+                f"--resume: no checkpoint in {root}. Drop --resume to start a new run there (with --overwrite "
+                "when the directory holds the start of a run).")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
         from safetensors.torch import load_file
 
@@ -157,7 +168,7 @@ class Trainer:
         state = ckpt.load_state(last, map_location=self.d.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        ckpt.restore_rng(_cpu_rng(state["rng"]))
+        ckpt.restore_rng(state["rng"])
         self.step = int(state["step"])
         self.order = self._data_order(epoch=int(state["epoch"]), index=int(state["batch_index"]))
         log.info("resumed from %s at step %d (epoch %d, micro-batch %d)", last, self.step,
@@ -168,8 +179,8 @@ class Trainer:
         path = None
         if self.d.is_main:
             path = ckpt.save_checkpoint(
-                self.root, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
-                scheduler=self.scheduler, config=self.config, keep=self.config.keep_checkpoints,
+                self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
+                scheduler=self.scheduler, config=self.config, keep=self.config.runtime.keep_checkpoints,
                 train_state={**self.order.state(), "data_fingerprint": self.fingerprint,
                              "world_size": self.d.world_size},
             )
@@ -191,31 +202,31 @@ class Trainer:
             items = [{**items[0], "loss_mask": torch.zeros_like(items[0]["loss_mask"])}]
         anchors = []
         for i, item in zip(mine, items):
-            g = torch.Generator().manual_seed(anchor_seed(self.config.seed, epoch, i))
-            anchors.append(sample_anchors(item["loss_mask"], self.config.max_anchors, g))
+            g = torch.Generator().manual_seed(anchor_seed(self.config.optim.seed, epoch, i))
+            anchors.append(sample_anchors(item["loss_mask"], self.config.model.max_anchors, g))
         self.monitor.count(items, anchors)
         batch = collate(items, self.pad_id)
         return {k: v.to(self.d.device) for k, v in batch.items()}, anchors
 
     def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool) -> StepSums:
         """Forward + backward of one micro-batch (gradients accumulate); returns its sums, detached."""
-        cfg = self.config
+        model = self.config.model
         # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
         with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
-            sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=cfg.block_size,
-                                    gamma=cfg.gamma, autocast_dtype=self.autocast_dtype)
-            backward(sums, self.d, cfg.grad_accum)
+            sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
+                                    gamma=model.gamma, autocast_dtype=self.autocast_dtype)
+            backward(sums, self.d, self.config.optim.grad_accum)
         return sums.detached()
 
     def _optimizer_step(self) -> dict:
         """grad_accum micro-batches, clip, AdamW step, LR step; returns the step's metrics (all ranks)."""
-        cfg = self.config
+        cfg, accum = self.config, self.config.optim.grad_accum
         totals = None  # StepSums.pack() added up, on the device
-        for k in range(cfg.grad_accum):
+        for k in range(accum):
             epoch, indices = self.order.next()
             batch, anchors = self._collate_shard(epoch, indices)
             try:
-                sums = self._micro_step(batch, anchors, sync=k == cfg.grad_accum - 1)
+                sums = self._micro_step(batch, anchors, sync=k == accum - 1)
             except torch.OutOfMemoryError as exc:
                 n = sum(int(a.numel()) for a in anchors)
                 raise TrainError(_oom_message(cfg, tuple(batch["input_ids"].shape), n,
@@ -223,8 +234,9 @@ class Trainer:
             totals = sums.pack() if totals is None else totals + sums.pack()
             if self.heartbeat:
                 self.heartbeat.beat(self.step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip) \
-            if cfg.grad_clip > 0 else torch.tensor(float("nan"))
+        clip = cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip) \
+            if clip > 0 else torch.tensor(float("nan"))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -232,7 +244,7 @@ class Trainer:
         self.step += 1
         totals = distributed.all_reduce_sum(self.d, totals)
         # the one read-back of the step: the summed statistics and the (already global) grad norm
-        return {"step": self.step, "lr": lr, **summarize(totals, cfg.block_size, grad_norm)}
+        return {"step": self.step, "lr": lr, **summarize(totals, cfg.model.block_size, grad_norm)}
 
     # --- the loop ----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -245,10 +257,10 @@ class Trainer:
     def _run(self) -> TrainResult:
         from tqdm.auto import tqdm
 
-        cfg, d = self.config, self.d
+        runtime, d = self.config.runtime, self.d
         result = TrainResult(drafter=self.drafter, step=self.step)
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                   disable=not (cfg.progress and d.is_main), dynamic_ncols=True)
+                   disable=not (runtime.progress and d.is_main), dynamic_ncols=True)
         self.drafter.train()
         if self.heartbeat:
             self.heartbeat.beat(self.step, force=True)
@@ -263,7 +275,7 @@ class Trainer:
             if distributed.any_rank(d, bool(self.stop)):
                 result.stopped_by = self.stop.reason or "another rank"
                 break
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+            if runtime.save_every and self.step % runtime.save_every == 0 and self.step < self.total_steps:
                 result.checkpoint = self.save()
         bar.close()
         result.checkpoint = self.save()
@@ -274,10 +286,10 @@ class Trainer:
         if result.stopped_by:
             log.warning("stopped by %s at step %d; continue with --resume", result.stopped_by, self.step)
         elif d.is_main:
-            dtype = torch.bfloat16 if cfg.drafter_dtype == "bf16" else torch.float32
-            ckpt.export_drafter(result.checkpoint, cfg.out_dir / "drafter", dtype)
-            log.info("drafter written to %s", cfg.out_dir / "drafter")
-        self.monitor.close(stopped=bool(result.stopped_by))
+            dtype = torch.bfloat16 if self.config.model.drafter_dtype == "bf16" else torch.float32
+            ckpt.export_drafter(result.checkpoint, self.run_dir.drafter, dtype)
+            log.info("drafter written to %s", self.run_dir.drafter)
+        self.monitor.close(self.step, stopped=bool(result.stopped_by))
         return result
 
 
@@ -289,52 +301,27 @@ def _pad_id(target) -> int:
     return 0
 
 
-def _cpu_rng(state: dict) -> dict:
-    """RNG states must be CPU ByteTensors for torch.set_rng_state, whatever map_location did."""
-    out = dict(state)
-    out["torch"] = state["torch"].cpu()
-    if "cuda" in state:
-        out["cuda"] = [s.cpu() for s in state["cuda"]]
-    return out
-
-
-def setup_logging(out_dir: Path, is_main: bool) -> None:
-    """Log to stderr and to <out>/train.log (rank 0 only; other ranks only warn)."""
-    logger = logging.getLogger("dflash")
-    logger.setLevel(logging.INFO if is_main else logging.WARNING)
-    for h in list(logger.handlers):
-        if getattr(h, "_dflash", False):
-            logger.removeHandler(h)
-            h.close()
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    handlers = [logging.StreamHandler()]
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(out_dir / "train.log"))
-    for h in handlers:
-        h.setFormatter(fmt)
-        h._dflash = True
-        logger.addHandler(h)
-    logger.propagate = False
-
-
 def drafter_config(config: TrainConfig, target):
     """The drafter this run trains: --init-drafter's (checked against the target), or a new one shaped
     like the target's attention with --drafter-layers and --sliding-window."""
     from dflash.io.drafter import check_fits_target, read_drafter_config
     from dflash.model.drafter import FULL, SLIDING, DrafterConfig
 
-    if not config.init_drafter:
-        n, window = config.drafter_layers, config.sliding_window
-        return DrafterConfig.from_target(target, num_hidden_layers=n, block_size=config.block_size,
+    from dflash.io.engines import check_servable
+
+    check_servable(target.layer_ids, target.num_layers, target.tokenizer, target.mask_token_id)
+    opts = config.model
+    if not opts.init_drafter:
+        n, window = opts.drafter_layers, opts.sliding_window
+        return DrafterConfig.from_target(target, num_hidden_layers=n, block_size=opts.block_size,
                                          layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
                                          sliding_window=window or None)
-    where = f"--init-drafter {config.init_drafter}"
-    init = read_drafter_config(config.init_drafter)
+    where = f"--init-drafter {opts.init_drafter}"
+    init = read_drafter_config(opts.init_drafter)
     check_fits_target(init, target, where)
-    if init.block_size != config.block_size:
+    if init.block_size != opts.block_size:
         raise ConfigError(f"{where} was trained with block size {init.block_size}, --block-size is "
-                          f"{config.block_size}; pass --block-size {init.block_size}.")
+                          f"{opts.block_size}; pass --block-size {init.block_size}.")
     if (init.target_layer_ids, init.mask_token_id) != (list(target.layer_ids), target.mask_token_id):
         raise ConfigError(f"{where} taps target layers {init.target_layer_ids} with mask token {init.mask_token_id}, "
                           f"the target was loaded with {target.layer_ids} and {target.mask_token_id}; load it "
@@ -348,13 +335,13 @@ def load_target(config: TrainConfig, device: torch.device, path=None):
     with its mask token, once its config.json is checked against the target's."""
     from dflash.model.target import Target
 
-    path = path or config.target
-    layer_ids, mask_token = config.target_layer_ids, config.mask_token
-    if config.init_drafter:
+    path, opts = path or config.io.target, config.model
+    layer_ids, mask_token = opts.target_layer_ids, opts.mask_token
+    if opts.init_drafter:
         from dflash.io.drafter import check_fits_target, read_drafter_config, target_shape
 
-        init = read_drafter_config(config.init_drafter)
-        check_fits_target(init, target_shape(path), f"--init-drafter {config.init_drafter}")
+        init = read_drafter_config(opts.init_drafter)
+        check_fits_target(init, target_shape(path), f"--init-drafter {opts.init_drafter}")
         layer_ids, mask_token = init.target_layer_ids, init.mask_token_id
     return Target.load(path, device=device, dtype=precision(config, device),
                        layer_ids=layer_ids, mask_token=mask_token)
@@ -365,31 +352,37 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     """Train a drafter as `config` says; returns when done, stopped by a signal, or on an error.
 
     `target` and `items` (dicts with input_ids/loss_mask LongTensor[T]) skip loading them from
-    config.target / config.data. `on_step(step, metrics)` runs after every optimizer step; when it
-    returns True the run stops as if it got SIGTERM (checkpoint, then return).
+    --target / --data. `on_step(step, metrics)` runs after every optimizer step; when it returns True the
+    run stops as if it got SIGTERM (checkpoint, then return). The run holds its directory for its whole
+    length (dflash.train.rundir: a second run into it stops at once; an old run there is refused unless
+    --resume or --overwrite).
     """
-    d = distributed.init(config.device, cpu_threads=config.cpu_threads)
-    setup_logging(config.out_dir, d.is_main)
-    stop = StopFlag().install() if handle_signals else StopFlag()
-    try:
-        attention_impl(config, d.device)  # a bad --attention fails before the target loads
-        check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
-        if target is None:
-            target = load_target(config, d.device)
-        if items is None:
-            items = load_items(config, target)
-        items, eval_items = eval_split(config, target, items)
-        if d.is_main:
-            config.to_json(config.out_dir / "config.json")
-        trainer = Trainer(config, target, items, d, stop, on_step, eval_items)
-        if config.resume:
-            trainer.restore()
-        log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",
-                 trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
-                 trainer.drafter.attention)
-        return trainer.run()
-    except DflashError as exc:  # also in train.log, where a run's story is read afterwards
-        log.error("stopped: %s", exc)
-        raise
-    finally:
-        stop.uninstall()
+    d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
+    run = RunDir(config.io.out)
+    with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
+        setup_logging(run, d.is_main)
+        if removed:
+            log.info("--overwrite: deleted the previous run's %s in %s", ", ".join(removed), run.root)
+        stop = StopFlag().install() if handle_signals else StopFlag()
+        try:
+            attention_impl(config, d.device)  # a bad --attention fails before the target loads
+            check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
+            if target is None:
+                target = load_target(config, d.device)
+            if items is None:
+                items = load_items(config, target)
+            items, eval_items = eval_split(config, target, items)
+            if d.is_main:
+                config.to_json(run.config)
+            trainer = Trainer(config, target, items, d, stop, on_step, eval_items)
+            if config.io.resume:
+                trainer.restore()
+            log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",
+                     trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
+                     trainer.drafter.attention)
+            return trainer.run()
+        except DflashError as exc:  # also in train.log, where a run's story is read afterwards
+            log.error("stopped: %s", exc)
+            raise
+        finally:
+            stop.uninstall()

@@ -1,9 +1,10 @@
 """Bad input and faults for `dflash-train`, `dflash-eval`, `dflash report` and `dflash regenerate` on the tiny
 chat target: each case runs the real command line on real files and asserts the exit code
-(dflash/errors.py: options 2, checkpoint 3, training 4, target 5, data 6, drafter 7, server 8), the key
-words of the message, no traceback, that the cheap checks fail before the target's weights load, that
---out holds nothing new but what the case allows (train.log, which then says why the run stopped), and
-that the token cache holds no partial build.
+(dflash/errors.py: options 2, checkpoint 3, training 4, target 5, data 6, drafter 7, server 8, run
+directory in use 10), the key words of the message, no traceback, that the cheap checks fail before the
+target's weights load, that --out holds nothing new but what the case allows (train.log, which then says
+why the run stopped, and the run's lock file), and that the token cache holds no partial build; a refused
+run into a directory that holds another run leaves every file there as it was.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
+from common.fsutil import exclusive
 from dflash.cli import eval_main, main, train_main
+from dflash.train.rundir import RunDir
 from tests.support.bad_input import assert_clear_failure, snapshot
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
@@ -59,7 +63,7 @@ def copy_run(world, tmp: Path) -> Path:
 
 
 def ckpt_dir(out: Path) -> Path:
-    return out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    return RunDir(out).checkpoints / (RunDir(out).checkpoints / "latest").read_text().strip()
 
 
 def damage_weights(out: Path) -> None:
@@ -80,13 +84,27 @@ def flip_state_bytes(out: Path) -> None:
 
 
 def point_latest_nowhere(out: Path) -> None:
-    (out / "checkpoints" / "latest").write_text("step-00009999\n")
+    (RunDir(out).checkpoints / "latest").write_text("step-00009999\n")
+
+
+def as_it_was(out: Path) -> None:
+    """The finished run, untouched."""
+
+
+def foreign_config(out: Path) -> None:
+    """A config.json that dflash-train did not write: --out points at a model directory."""
+    RunDir(out).config.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 32}))
+
+
+def lock_held_by_another_run(out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    return exclusive(out, "dflash-train run", lock_name=RunDir(out).lock.name)
 
 
 def edit_metrics(**fields_by_line):
     """Damage metrics.jsonl of a copy of the finished run: line{N}={field: value} replaces those fields."""
     def damage(out: Path) -> None:
-        path = out / "metrics.jsonl"
+        path = RunDir(out).metrics
         lines = path.read_text().splitlines()
         for name, fields in fields_by_line.items():
             n = int(name.removeprefix("line")) - 1
@@ -96,7 +114,7 @@ def edit_metrics(**fields_by_line):
 
 
 def damage_run_config(out: Path) -> None:
-    (out / "config.json").write_text('{"target": "x", ')
+    RunDir(out).config.write_text('{"target": "x", ')
 
 
 # --- bad inputs made in the test's own tmp dir --------------------------------------------------------
@@ -159,9 +177,10 @@ def plant_stale_builds(w, t: Path) -> None:
     (cache / f".{'1' * 20}.tmp-otherhost-{os.getpid()}-running").mkdir()
 
 
-def metrics_on_a_full_disk(w, t: Path) -> None:
-    (t / "out").mkdir()
-    (t / "out" / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+def metrics_on_a_full_disk(out: Path) -> None:
+    """The finished run, continued: its metrics.jsonl is on a disk that is full (every write: ENOSPC)."""
+    RunDir(out).metrics.unlink()
+    RunDir(out).metrics.symlink_to("/dev/full")
 
 
 def free_port() -> int:
@@ -188,6 +207,8 @@ class Case:
     log_words: tuple[str, ...] = ()  # tmp/out/train.log must say these
     seconds: float | None = None  # must be done within this
     check: Callable[[Path], None] | None = None  # more to assert of tmp afterwards
+    held: Callable[[Path], object] | None = None  # a context (e.g. another run's lock) around the command
+    untouched: bool = False  # every file already in tmp/out keeps its content (train.log too)
     xfail: str | None = None  # a fix that lives in a file this suite's changes could not touch
 
 
@@ -238,13 +259,24 @@ CASES = [
          ("trainer_state.pt is damaged", "UnpicklingError", "echo step-00000002 >", "start over without --resume"),
          True, resume_from=flip_state_bytes, absent=("weights_only", "add_safe_globals")),
     Case("bad-block-size", train_main, train_flags("--block-size", "0"), 2, ("block",), True),
+    Case("out-holds-a-run", train_main, train_flags(), 2, ("already holds a run", "latest checkpoint step-00000004",
+         "--resume", "--overwrite", "another --out"), True, resume_from=as_it_was, untouched=True, leaves=()),
+    Case("out-used-by-another-run", train_main, train_flags(), 10,
+         ("another dflash-train run is using", "is held by pid", "another directory"), True,
+         held=lock_held_by_another_run, untouched=True, leaves=()),
+    Case("resume-and-overwrite", train_main, train_flags("--resume", "--overwrite"), 2,
+         ("--resume continues", "--overwrite deletes it", "give one of them"), True, resume_from=as_it_was,
+         untouched=True, leaves=()),
+    Case("overwrite-a-model-dir", train_main, train_flags("--overwrite"), 2,
+         ("config.json that dflash-train did not write", "a directory of its own"), True,
+         resume_from=foreign_config, untouched=True, leaves=()),
     Case("block-size-0-one-message", train_main, train_flags("--block-size", "0"), 2,
          ("--block-size is 0", "2 or more"), True, absent=("at least 1",),
          xfail="the check lives in dflash/config/__init__.py (TrainConfig.__post_init__): the generic 'at least 1' "
                "loop runs before the block-size check that says 2"),
     Case("resume-run-config-wrong-type", train_main, train_flags("--resume"), 2, ("config.json", "block_size"), True,
-         resume_from=lambda out: (out / "config.json").write_text(
-             json.dumps({**json.loads((out / "config.json").read_text()), "block_size": "four"})),
+         resume_from=lambda out: edit_json(RunDir(out).config.name,
+                                           lambda d: d["model"].update(block_size="four"))(out),
          xfail="TrainConfig.from_json (dflash/config/__init__.py) does not convert the stored values: "
                "'four' < 2 escapes as a TypeError"),
     # the target's files, checked before its weights load
@@ -283,9 +315,9 @@ CASES = [
          ("a partial tokenised cache left by a run that was killed",), leaves=ANY, prepare=plant_stale_builds,
          check=lambda t: [*(t / "tokenized-cache").glob(".*otherhost*")] or pytest.fail("another host's build went")),
     # the run's own files
-    Case("metrics-on-a-full-disk", train_main, train_flags(), 4,
-         ("No space left on device", "Free space on that disk", "run it again"), prepare=metrics_on_a_full_disk,
-         leaves=("train.log", "config.json"), log_words=("stopped: writing the run's files", "No space left")),
+    Case("metrics-on-a-full-disk", train_main, train_flags("--resume", "--max-steps", "6"), 4,
+         ("No space left on device", "Free space on that disk", "continue from its last checkpoint (step-00000004)"),
+         resume_from=metrics_on_a_full_disk, log_words=("stopped: writing the run's files", "No space left")),
     Case("report-metrics-wrong-types", main, report, 0,
          ('metrics.jsonl line 1: loss is "abc", not a number', "line 2: tokens_per_s is [1, 2], not a number",
           "line 3: step is \"three\""),
@@ -315,12 +347,14 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
         case.prepare(world, tmp_path)
     out = tmp_path / "out"
     before = snapshot(out)
+    contents = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} if out.exists() else {}
     argv = case.argv(world, tmp_path)
     start = time.monotonic()
-    try:
-        code = case.prog(argv)
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
+    with case.held(out) if case.held else nullcontext():
+        try:
+            code = case.prog(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
     elapsed = time.monotonic() - start
     captured = capsys.readouterr()
     text = captured.err + captured.out
@@ -332,10 +366,12 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
     if case.seconds is not None:
         assert elapsed < case.seconds, f"took {elapsed:.1f} s"
     if case.leaves is not ANY:
-        new = snapshot(out) - before - {str(out / name) for name in case.leaves}
+        new = snapshot(out) - before - {str(out / name) for name in case.leaves} - {str(RunDir(out).lock)}
         assert not new, f"--out holds new files: {sorted(new)}"
+    if case.untouched:
+        assert {p: p.read_bytes() for p in contents} == contents, "a file in --out changed"
     if case.log_words:
-        log = (out / "train.log").read_text()
+        log = RunDir(out).log.read_text()
         for word in case.log_words:
             assert word in log, f"{word!r} not in train.log: {log}"
     partial = [p.name for p in (tmp_path / "tokenized-cache").glob(".*") if "otherhost" not in p.name]
@@ -355,6 +391,6 @@ def test_a_full_disk_while_checkpointing_is_a_checkpoint_error_in_train_log(worl
     code = train_main(train_args(world["target"], world["data"], out, max_steps=2, save_every=2))
     err = capsys.readouterr().err
     assert code == 3 and "No space left on device" in err and "Traceback" not in err
-    log = (out / "train.log").read_text()
+    log = RunDir(out).log.read_text()
     assert "stopped: writing checkpoint" in log and "No space left" in log
-    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in RunDir(out).checkpoints.iterdir() if p.name.startswith(".tmp-")]

@@ -3,17 +3,18 @@ eval / regenerate / doctor / healthcheck commands on a real tiny target."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from dflash.cli import main, train_main, train_parser
-from dflash.config import DEMO_DEFAULTS, TrainConfig, from_args
+from dflash.cli import main, train_config, train_main
+from dflash.config import DEMO_DEFAULTS, OPTIONS, SECTIONS, ModelConfig, TrainConfig
 from dflash.errors import ConfigError
+from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,16 +27,21 @@ def tiny(tmp_path_factory):
 
 
 def _parse(argv: list[str]) -> TrainConfig:
-    return from_args(train_parser().parse_args(argv))
+    return train_config(argv)
 
 
-def test_help_lists_every_option_with_its_default():
+def test_help_lists_every_option_with_its_default_in_its_sections_group():
     run = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     text = " ".join(run.stdout.split())  # argparse wraps lines
-    for f in dataclasses.fields(TrainConfig):
+    headings = [text.index(f"{cls.TITLE}:") for cls in SECTIONS.values()]
+    assert headings == sorted(headings)  # one group per section, in the sections' order
+    for section, f, _type in OPTIONS.values():
         flag = "--" + f.name.replace("_", "-")
+        position = headings[0] + re.search(re.escape(flag) + "[ ,]", text[headings[0]:]).start()
+        own = list(SECTIONS).index(section)
+        assert headings[own] < position < (headings[own + 1] if own + 1 < len(headings) else len(text)), flag
         assert flag in text, flag
         shown = ",".join(map(str, f.default)) if isinstance(f.default, list) else f.default
         said = "(default:" in f.metadata["help"]  # a help that says its default in words shows only that
@@ -45,22 +51,27 @@ def test_help_lists_every_option_with_its_default():
 
 def test_demo_defaults_apply_only_without_target_and_data(tmp_path):
     demo = _parse([])
-    assert demo.is_demo and demo.block_size == DEMO_DEFAULTS["block_size"]
-    assert _parse(["--block-size", "4"]).block_size == 4  # a given flag beats the demo's choice
+    assert demo.is_demo and demo.model.block_size == DEMO_DEFAULTS["block_size"]
+    assert _parse(["--block-size", "4"]).model.block_size == 4  # a given flag beats the demo's choice
     real = _parse(["--target", "t", "--data", "d.jsonl"])
-    assert not real.is_demo and real.block_size == TrainConfig.block_size
+    assert not real.is_demo and real.model.block_size == ModelConfig.block_size
 
 
 def test_resume_reads_the_stored_config_and_flags_override_it(tmp_path):
-    TrainConfig(target="t", data="d.jsonl", out=str(tmp_path), block_size=8, lr=1e-3).to_json(tmp_path / "config.json")
+    TrainConfig.from_flat(target="t", data="d.jsonl", out=str(tmp_path), block_size=8, lr=1e-3,
+                          overwrite=True).to_json(RunDir(tmp_path).config)
     cfg = _parse(["--out", str(tmp_path), "--resume", "--max-steps", "50"])
-    assert (cfg.target, cfg.block_size, cfg.lr, cfg.max_steps, cfg.resume) == ("t", 8, 1e-3, 50, True)
+    assert (cfg.io.target, cfg.model.block_size, cfg.optim.lr, cfg.optim.max_steps, cfg.io.resume) == \
+        ("t", 8, 1e-3, 50, True)
+    assert not cfg.io.overwrite  # the run started with --overwrite; continuing it deletes nothing
 
 
 def test_list_flag_and_unknown_config_keys():
-    assert _parse(["--target", "t", "--data", "d", "--target-layer-ids", "1, 3,5"]).target_layer_ids == [1, 3, 5]
+    assert _parse(["--target", "t", "--data", "d", "--target-layer-ids", "1, 3,5"]).model.target_layer_ids == [1, 3, 5]
     with pytest.raises(ConfigError, match="unknown option 'block_sise'.*Did you mean 'block_size'"):
         TrainConfig.from_dict({"block_sise": 8})
+    with pytest.raises(ConfigError, match="unknown option 'lerning_rate'"):
+        TrainConfig.from_flat(lerning_rate=1e-3)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -118,7 +129,7 @@ def test_eval_reports_tau_and_losslessness(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     assert train_main(train_args(target, data, out, max_steps=1)) == 0
     capsys.readouterr()
-    argv = ["--target", str(target), "--drafter", str(out / "drafter"), "--data", str(data), "--limit", "2",
+    argv = ["--target", str(target), "--drafter", str(RunDir(out).drafter), "--data", str(data), "--limit", "2",
             "--max-new-tokens", "6", "--device", "cpu", "--json"]
     assert main(["eval", *argv]) == 0
     results = json.loads(capsys.readouterr().out)
@@ -132,7 +143,7 @@ def test_eval_refuses_a_drafter_of_another_target(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     assert train_main(train_args(target, data, out, max_steps=1)) == 0
     other = save_chat_target(tmp_path / "other", num_layers=8)
-    assert main(["eval", "--target", str(other), "--drafter", str(out / "drafter"), "--data", str(data),
+    assert main(["eval", "--target", str(other), "--drafter", str(RunDir(out).drafter), "--data", str(data),
                  "--device", "cpu"]) == 7
     assert "trained for a different target: num_target_layers 4 != the target's 8 layers" in capsys.readouterr().err
 

@@ -1,6 +1,7 @@
 """--config FILE (YAML, JSON, TOML) and flags combine in the documented order: field defaults < demo
-defaults < the stored config of --resume < the file < flags; unknown keys name the closest option;
---help shows each default once; every console script answers --version."""
+defaults < the stored config of --resume < the file < flags; keys are flat or grouped by section; unknown
+keys name the closest option; a run's config.json (nested, or flat as older runs wrote it) repeats and
+resumes the run; --help shows each default once; every console script answers --version."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import sys
 
 import pytest
 
-from dflash.cli import train_parser
-from dflash.config import DEMO_DEFAULTS, TrainConfig, from_args
+from dflash.cli import train_config, train_parser
+from dflash.config import DEMO_DEFAULTS, ModelConfig, OptimConfig, TrainConfig
 from dflash.errors import ConfigError
 
 RUN = {"target": "/models/t", "data": "d.jsonl"}
 
 
 def _resolve(*argv) -> TrainConfig:
-    return from_args(train_parser().parse_args(list(argv)))
+    return train_config(list(argv))
 
 
 @pytest.mark.parametrize("suffix,text", [
@@ -33,39 +34,68 @@ def test_file_values_are_read_and_typed(tmp_path, suffix, text):
     path = tmp_path / f"run{suffix}"
     path.write_text(text)
     cfg = _resolve("--config", str(path))
-    assert (cfg.lr, cfg.block_size, cfg.report_to, cfg.target_layer_ids) == (3e-4, 8, ["tensorboard"], [1, 2])
-    assert cfg.max_steps == TrainConfig.max_steps  # not the demo's: the file names a target and data
+    assert (cfg.optim.lr, cfg.model.block_size, cfg.watch.report_to, cfg.model.target_layer_ids) == \
+        (3e-4, 8, ["tensorboard"], [1, 2])
+    assert cfg.optim.max_steps == OptimConfig.max_steps  # not the demo's: the file names a target and data
 
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({**RUN, "lr": 3e-4, "seed": 5, "epochs": 2}))
     cfg = _resolve("--config", str(path), "--lr", "1e-3", "--epochs", "3")
-    assert (cfg.lr, cfg.epochs, cfg.seed, cfg.max_length) == (1e-3, 3, 5, TrainConfig.max_length)
+    assert (cfg.optim.lr, cfg.optim.epochs, cfg.optim.seed, cfg.model.max_length) == \
+        (1e-3, 3, 5, ModelConfig.max_length)
 
 
 def test_demo_defaults_sit_under_the_file(tmp_path):
     path = tmp_path / "demo.yaml"
     path.write_text("max_steps: 7\n")
     cfg = _resolve("--config", str(path))
-    assert cfg.is_demo and cfg.max_steps == 7 and cfg.block_size == DEMO_DEFAULTS["block_size"]
+    assert cfg.is_demo and cfg.optim.max_steps == 7 and cfg.model.block_size == DEMO_DEFAULTS["block_size"]
 
 
 def test_file_overrides_the_resumed_config_and_flags_override_both(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    TrainConfig(**RUN, out=str(out), lr=1e-4, seed=3, max_steps=10).to_json(out / "config.json")
+    TrainConfig.from_flat(**RUN, out=str(out), lr=1e-4, seed=3, max_steps=10).to_json(out / "config.json")
     path = tmp_path / "more.yaml"
     path.write_text("max_steps: 20\nlr: 2e-4\n")
     cfg = _resolve("--out", str(out), "--resume", "--config", str(path), "--lr", "5e-4")
-    assert (cfg.seed, cfg.max_steps, cfg.lr, cfg.target) == (3, 20, 5e-4, "/models/t")
+    assert (cfg.optim.seed, cfg.optim.max_steps, cfg.optim.lr, cfg.io.target) == (3, 20, 5e-4, "/models/t")
 
 
 def test_a_run_config_json_repeats_the_run(tmp_path):
-    stored = TrainConfig(**RUN, out=str(tmp_path / "a"), lr=1e-4, report_to=["tensorboard"])
+    stored = TrainConfig.from_flat(**RUN, out=str(tmp_path / "a"), lr=1e-4, report_to=["tensorboard"])
     stored.to_json(tmp_path / "config.json")
+    assert set(json.loads((tmp_path / "config.json").read_text())) == {"io", "model", "optim", "runtime", "watch",
+                                                                        "demo"}  # nested, one object per section
     cfg = _resolve("--config", str(tmp_path / "config.json"), "--out", str(tmp_path / "b"))
-    assert {**cfg.to_dict(), "out": stored.out} == stored.to_dict()
+    assert cfg.replace(out=stored.io.out) == stored
+
+
+def test_an_older_flat_config_json_resumes_and_repeats(tmp_path):
+    """Runs written before the sections stored their options flat; --resume and --config still read them."""
+    out = tmp_path / "run"
+    out.mkdir()
+    flat = {**TrainConfig.from_flat(**RUN, out=str(out), lr=1e-4, block_size=8).to_flat()}
+    del flat["overwrite"]  # an option older runs did not have
+    (out / "config.json").write_text(json.dumps(flat))
+    cfg = _resolve("--out", str(out), "--resume", "--max-steps", "9")
+    assert (cfg.optim.lr, cfg.model.block_size, cfg.optim.max_steps, cfg.io.resume) == (1e-4, 8, 9, True)
+    assert TrainConfig.from_json(out / "config.json") == TrainConfig.from_flat(flat)
+    assert _resolve("--config", str(out / "config.json")).model.block_size == 8
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".toml", 'target = "/models/t"\ndata = "d.jsonl"\n[optim]\nlr = 3e-4\nmax-steps = 5\n[model]\nblock_size = 8\n'),
+    (".yaml", "target: /models/t\ndata: d.jsonl\noptim:\n  lr: 3e-4\n  max-steps: 5\nmodel: {block_size: 8}\n"),
+    (".json", json.dumps({**RUN, "optim": {"lr": 3e-4, "max_steps": 5}, "model": {"block-size": 8}})),
+])
+def test_options_may_be_grouped_by_section(tmp_path, suffix, text):
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text)
+    cfg = _resolve("--config", str(path), "--max-steps", "6")
+    assert (cfg.optim.lr, cfg.model.block_size, cfg.optim.max_steps) == (3e-4, 8, 6)
 
 
 @pytest.mark.parametrize("text,message", [
@@ -76,6 +106,11 @@ def test_a_run_config_json_repeats_the_run(tmp_path):
     ("- lr\n", "must hold a mapping"),
     ("lr: [1\n", "not valid YAML"),
     ("max_steps: -1\n", "--max-steps is -1"),
+    ("optim:\n  lerning_rate: 1\n", "unknown option 'optim.lerning_rate'"),
+    ("optim:\n  max_step: 1\n", "Did you mean 'max_steps'?"),
+    ("optim:\n  block_size: 8\n", "'block_size' belongs to the [model] section, not [optim]"),
+    ("optim:\n  max_steps: ten\n", "'optim.max_steps' is 'ten'; it must be int"),
+    ("max_length: 4096\nmax_tokens: 2048\n", "--max-tokens 2048 is below --max-length 4096"),  # across sections
 ])
 def test_bad_files_fail_with_the_reason(tmp_path, text, message):
     path = tmp_path / "bad.yaml"

@@ -11,6 +11,7 @@ import pytest
 
 from images import export, imageinfo, oci, records, template
 from images.errors import ExportError
+from tests.conftest import need_tools
 from tests.support.pct_double.demo_image import demo_image
 from common.fsutil import sha256_file
 
@@ -81,6 +82,7 @@ def test_missing_image_is_a_clear_error():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     pytest.importorskip("docker")
+    need_tools("skopeo", "zstd")  # skopeo writes the OCI archive, zstd compresses the template
     try:
         image = demo_image()
     except Exception as e:  # no engine, no base
@@ -112,7 +114,8 @@ def test_records_describe_each_artifact(exported):
         assert rec["image"]["cuda"] == "13.0" and rec["image"]["entrypoint"] == ["dflash-train"]
         if rec["format"] == "template":
             assert rec["libcuda_in_image"] == []
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
+    # no temp files left behind (.build.lock is the lock that keeps a second export out of this directory)
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".build.lock"]
 
 
 @pytest.mark.docker
@@ -163,6 +166,16 @@ def test_the_template_carries_the_packaged_scripts():
     files = template.carried_files(_info(), {"./opt/venv/bin/dflash-train": tarfile.TarInfo("x")})
     assert files["./usr/local/bin/dflash-env"] == ((scripts / "dflash-env.sh").read_bytes(), 0o755)
     assert files["./sbin/init"] == ((scripts / "init.sh").read_bytes(), 0o755)
+
+
+def test_the_template_carries_an_etc_hosts_only_for_an_empty_or_missing_one():
+    """`docker export` leaves Docker's empty /etc/hosts placeholder: `localhost` would resolve nowhere."""
+    placeholder = tarfile.TarInfo("./etc/hosts")
+    assert template.carried_files(_info(), {})["./etc/hosts"] == (template.ETC_HOSTS.encode(), 0o644)
+    assert "./etc/hosts" in template.carried_files(_info(), {"./etc/hosts": placeholder})
+    placeholder.size = 30
+    assert "./etc/hosts" not in template.carried_files(_info(), {"./etc/hosts": placeholder})
+    assert "127.0.0.1\tlocalhost" in template.ETC_HOSTS and "::1\tlocalhost" in template.ETC_HOSTS
 
 
 def test_cuda_comes_from_the_target_label():

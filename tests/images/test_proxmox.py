@@ -75,6 +75,18 @@ def test_gpus_on_pve_8_1_use_raw_cgroup_and_mount_lines():
     assert "lxc.mount.entry: /dev/nvidia7 dev/nvidia7 none bind,optional,create=file" in raw
 
 
+def test_every_container_gets_a_sized_dev_shm_and_a_loopback():
+    """--ostype unmanaged sets up neither (nor does pve-container < 6.1.10 for OCI containers): a tmpfs on
+    /dev/shm of half the memory (or --shm-size), and an `empty` network, outside net0..net31, that LXC
+    brings up with lo."""
+    plan = proxmox.ContainerPlan(ctid=200, template="x.tar.zst", fmt="template", memory_mb=65536)
+    assert proxmox.render_ipc_config(plan) == [
+        "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir,size=32768M 0 0",
+        "lxc.net.99.type: empty", "lxc.net.99.flags: up"]
+    bare = proxmox.ContainerPlan(ctid=200, template="x.oci.tar", fmt="oci", net0=None, shm_mb=4096)
+    assert proxmox.render_ipc_config(bare)[0].endswith(",size=4096M 0 0")
+
+
 @pytest.mark.parametrize("kw, plan_kw, cuda, message", [
     ({"ctids": (200,)}, {}, None, "CTID 200 is already in use.*--replace"),
     ({"pveversion": "pve-manager/8.4.1/2a5fa54a8503f96d (running kernel: 6.8.12-9-pve)"}, {"fmt": "oci"}, None,
@@ -86,6 +98,8 @@ def test_gpus_on_pve_8_1_use_raw_cgroup_and_mount_lines():
     ({"nvidia": False}, {}, None, "no /dev/nvidia\\* nodes.*--gpus none"),
     ({}, {"features": "nesting=1,docker=1"}, None, "'docker=1' is not a pct feature"),
     ({}, {"ctid": 42}, None, "out of range"),
+    ({}, {"shm_mb": 0}, None, r"--shm-size 0 MiB is outside 1\.\.65536 \(--memory\)"),
+    ({}, {"memory_mb": 8192, "shm_mb": 16384}, None, r"--shm-size 16384 MiB is outside 1\.\.8192.*half of --memory"),
 ])
 def test_refusals_name_the_fix(kw, plan_kw, cuda, message):
     plan = proxmox.ContainerPlan(**{"ctid": 200, "template": "x.tar.zst", "fmt": "template",

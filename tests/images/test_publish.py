@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import loopback_registry
-from tests.conftest import CI_TARGET, REQUIRED
+from tests.conftest import CI_TARGET, REQUIRED, need_tools
 from images import publish, push, registry
 from images.errors import ExportError, HostError, RegistryError
 from tests.support.pct_double.demo_image import labelled_demo_image
@@ -230,9 +230,10 @@ def pve_pull(reg, images_ab, tmp_path_factory):
     from images import lxc
     from tests.support.pct_double import sshd
 
-    for why in (sshd.available(), lxc.available(), None if shutil.which("skopeo") else "skopeo is missing"):
+    for why in (sshd.available(), lxc.available()):
         if why:
             pytest.skip(why)
+    need_tools("skopeo", "umoci")  # the pvesh double pulls with skopeo, the pct double unpacks with umoci
     base = tmp_path_factory.mktemp("pve")
     auth = base / "auth.json"  # what `skopeo login` leaves on the node
     auth.write_text(json.dumps({"auths": {reg.host: {"auth": base64.b64encode(

@@ -8,6 +8,7 @@ import pytest
 
 from images import export, lxc, push
 from images.errors import HostError, PushError
+from tests.conftest import need_tools
 from tests.support.pct_double import sshd
 from tests.support.pct_double.demo_image import demo_image_or_skip
 from wheelbuilder import targets as tg
@@ -21,7 +22,7 @@ def test_cli_registers_push_with_defaults():
     push.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["push", "--host", "root@pve", "--ctid", "200"])
     assert args.func is push._cmd_push and args.gpus == "all" and args.format == "auto" and not args.dry_run
-    assert args.bwlimit is None
+    assert args.bwlimit is None and args.shm_size is None
     default_target = tg.load().default_target
     assert export.image_from_args(args) == f"dflash-train:{default_target}"  # what `make image` builds
     with pytest.raises(SystemExit):
@@ -43,6 +44,7 @@ def pve(tmp_path_factory):
     for why in (sshd.available(), lxc.available()):
         if why:
             pytest.skip(why)
+    need_tools("zstd")  # the rootfs template; the OCI test asks for skopeo and umoci itself
     image = demo_image_or_skip()
     base = tmp_path_factory.mktemp("pve")
     env = {"PCT_DOUBLE_PYTHON": sys.executable, "PYTHONPATH": str(REPO), "PCT_DOUBLE_ROOT": str(base / "lxc"),
@@ -83,6 +85,13 @@ def test_push_template_end_to_end_then_refuse_then_replace(pve, capsys):
     assert "ostype: unmanaged" in conf and "unprivileged: 1" in conf and "mp0: local-lvm:1,mp=/data" in conf
     assert lxc.Container("200", pve["base"] / "lxc").state() == "RUNNING"
     assert (pve["base"] / "lxc" / "200-volumes" / "mp0").is_dir()
+    # The raw lines give it a /dev/shm of half --memory (the default 64 GiB) and a loopback that LXC
+    # brings up: the demo image has neither ip nor python3, so its init could not.
+    assert "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir,size=32768M 0 0" in conf
+    assert "lxc.net.99.type: empty\nlxc.net.99.flags: up\n" in conf
+    ct = lxc.Container("200", pve["base"] / "lxc")
+    assert ct.attach(["df", "-k", "/dev/shm"]).stdout.splitlines()[1].split()[1] == str(32768 * 1024)
+    assert int(ct.attach(["cat", "/sys/class/net/lo/flags"]).stdout, 16) & 1  # IFF_UP
     sent = [s for s in report.steps if s["step"] == "transfer"][0]
     assert sent["status"] == "sent" and sent["bytes"] == template.stat().st_size
 
@@ -101,6 +110,7 @@ def test_push_template_end_to_end_then_refuse_then_replace(pve, capsys):
 @pytest.mark.lxc
 @pytest.mark.docker
 def test_push_oci_on_pve_9_1(pve):
+    need_tools("skopeo", "umoci")  # skopeo writes the archive here, umoci unpacks it in the pct double
     set_pve_version(pve, "9.1.2")
     report = push.push(options(pve, 201))
     assert [s for s in report.steps if s["step"] == "export"][0]["path"].endswith(".oci.tar")

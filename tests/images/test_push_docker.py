@@ -11,8 +11,9 @@ import pytest
 
 from images import push_docker
 from images.errors import ExportError, PushError
+from tests.conftest import need_tools
 from tests.support.pct_double import sshd
-from tests.support.pct_double.demo_image import labelled_demo_image
+from tests.support.pct_double.demo_image import demo_image_or_skip, labelled_demo_image
 
 pytestmark = [pytest.mark.docker, pytest.mark.ssh]
 
@@ -46,7 +47,9 @@ def far(tmp_path_factory):
     if why:
         pytest.skip(why)
     if not shutil.which("dockerd") or os.geteuid() != 0:
-        pytest.skip("a second Docker engine needs dockerd and root")
+        pytest.skip("a second Docker engine needs dockerd and root (apt-get install docker.io, as root)")
+    need_tools("zstd")  # the image travels as docker save | zstd and is unpacked with zstd -dc there
+    demo_image_or_skip()  # the base of the labelled image (without busybox or dflash-base it cannot be built)
     image = labelled_demo_image(IMAGE)
     root = Path("/tmp") / f"dflash-far-{os.getpid()}"  # short: unix socket paths are limited to 108 bytes
     root.mkdir(exist_ok=True)

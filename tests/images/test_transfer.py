@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,15 +77,7 @@ def test_checksum_mismatch_never_takes_the_real_name(server, tmp_path):
 
 def sessions_of(server) -> list[int]:
     """Pids of the per-connection processes the loopback sshd has forked (they serve internal-sftp)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[1]) == server.proc.pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    return server.sessions()
 
 
 def wait_for_sessions_to_end(server, timeout_s: float = 30.0) -> None:
@@ -161,3 +154,21 @@ def test_changed_host_key_is_refused_even_with_accept_new(server, tmp_path):
     with pytest.raises(HostKeyError, match="does not match"):
         transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
                          known_hosts=str(wrong), accept_new_host_key=True)
+
+
+def test_a_connection_dropped_mid_command_is_a_transfer_error(server):
+    """The channel closes mid-read (sshd's session killed): a TransferError saying so, also where the
+    caller only wanted the exit status (check=False), never a made-up exit code of -1."""
+    for check in (True, False):
+        with connect(server) as host:
+            timer = threading.Timer(1.0, server.drop_connections)
+            timer.start()
+            try:
+                with pytest.raises(TransferError, match=r"closed while `echo started; sleep 30` ran.*It had "
+                                                        r"printed: started.*Run the command again"):
+                    host.run("echo started; sleep 30", check=check)
+            finally:
+                timer.cancel()
+            with pytest.raises(TransferError, match="closed while running `true`"):
+                host.run("true")  # and the next command on the dead connection says the same
+    wait_for_sessions_to_end(server)

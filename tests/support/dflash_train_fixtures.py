@@ -61,4 +61,6 @@ def train_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
 
 
 def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line]
+    from dflash.train.rundir import RunDir
+
+    return [json.loads(line) for line in RunDir(out).metrics.read_text().splitlines() if line]

@@ -1,7 +1,12 @@
 """A test double of a native build: the real `wheelbuilder` command line, build loop, lock, staging and
 subprocess wrapper, but no nvcc, torch check or download. The "sdist" unpacks to a setup.py that starts
-two fake compilers (`sleep`) and writes their pids to $WHEELBUILDER_DOUBLE_PIDS, then hangs as a long
-compile does, so a test can stop the build mid-compile and check what is left behind.
+a fake ninja, which starts two fake compilers the way ninja does (each in a process group of its own) and
+writes "COMPILER COMPILER NINJA SETUP_PY" pids to $WHEELBUILDER_DOUBLE_PIDS; then the build hangs as a
+long compile does, so a test can stop it mid-compile and check what is left behind.
+
+The fake ninja stops its compilers only after it has caught the signal itself (it passes the signal on to
+each job's process group a moment later and waits for them), and a fake compiler takes half a second to
+exit on SIGTERM (nvcc removing its temporary files): pip, which dies at once, is long gone by then.
 
     python tests/support/wheelbuilder_double.py build --target cu130-sm120 --out OUT --build-dir BUILD
 
@@ -18,11 +23,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from packaging.version import Version  # noqa: E402
 
-SETUP_PY = '''\
-import os, subprocess, sys, time
-compilers = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
+COMPILER = '''\
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(1)))
+time.sleep(300)
+'''
+
+NINJA = f'''\
+import os, signal, subprocess, sys, time
+jobs = [subprocess.Popen([sys.executable, "-S", "-c", {COMPILER!r}], process_group=0) for _ in range(2)]
+def stop(signum, _frame):
+    time.sleep(0.2)  # ninja notices between two polls of its jobs
+    for job in jobs:
+        os.killpg(job.pid, signum)
+    for job in jobs:
+        job.wait()
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
 with open(os.environ["WHEELBUILDER_DOUBLE_PIDS"], "w") as f:
-    f.write(" ".join(str(p.pid) for p in compilers) + " %d\\n" % os.getpid())
+    f.write(" ".join(str(p) for p in [*(j.pid for j in jobs), os.getpid(), os.getppid()]) + "\\n")
+time.sleep(300)
+'''
+
+SETUP_PY = f'''\
+import subprocess, sys, time
+ninja = subprocess.Popen([sys.executable, "-S", "-c", {NINJA!r}])
 print("[1/4] fake_kernel.o", flush=True)
 time.sleep(300)
 '''

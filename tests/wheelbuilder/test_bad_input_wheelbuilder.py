@@ -95,8 +95,8 @@ def fake_cuda(tmp: Path, executable: bool) -> Path:
     return home
 
 
-def targets_file(tmp: Path, edit: Callable[[str], str]) -> Path:
-    path = tmp / "targets.toml"
+def targets_file(tmp: Path, edit: Callable[[str], str], name: str = "targets.toml") -> Path:
+    path = tmp / name
     path.write_text(edit((REPO / "targets.toml").read_text()))
     return path
 
@@ -129,6 +129,16 @@ def wheel_with(damage) -> Callable[[Path], Path]:
         damage(w)
         return w
     return make
+
+
+def renamed(t: Path) -> Path:
+    """A sound wheel whose file name says another version than its metadata."""
+    w = make_wheel(t / "wheels")
+    return w.rename(w.with_name(w.name.replace("1.7.0+", "1.7.1+")))
+
+
+def diff(damage) -> Callable[[Path], list[str]]:
+    return lambda t: ["diff", str(make_wheel(t / "good")), str(wheel_with(damage)(t))]
 
 
 def file_with(name: str, data: bytes) -> Callable[[Path], Path]:
@@ -173,6 +183,28 @@ CASES = [
         'arches = ["12.0"]', 'arches = ["12.0", "12.0"]', 1))), "list"], 2, ("named twice",)),
     Case("targets-file-bad-sha", lambda t: ["--targets-file", str(targets_file(t, lambda s: s.replace(
         'sha256 = "', 'sha256 = "X', 1))), "list"], 2, ("sha256", "64 lowercase hex")),
+    Case("targets-file-directory", lambda t: ["--targets-file", str(t), "list"], 2, ("is a directory", "TOML file")),
+    Case("targets-file-named-in-load-errors", lambda t: ["--targets-file", str(targets_file(t, lambda s: s.replace(
+        'arches = ["12.0"]', 'arches = ["12.0", "12.0"]', 1), "pins.toml")), "list"], 2, ("pins.toml", "named twice")),
+    Case("targets-file-named-in-audit-fixes", lambda t: ["--targets-file", str(targets_file(t, str, "pins.toml")),
+                                                         *audit(wheel_with(lambda w: None))(t)], 6,
+         ("pins.toml names the wrong module",)),
+    Case("out-is-a-file", lambda t: build()(t)[:4] + [str(file_with("out", b"x")(t))] + build()(t)[5:], 2,
+         ("--out", "is a file", "must be a directory")),
+    Case("out-is-a-file-dry-run", lambda t: dry()(t)[:4] + [str(file_with("out", b"x")(t))] + dry()(t)[5:], 2,
+         ("--out", "is a file")),
+    Case("out-below-a-file", lambda t: build()(t)[:4] + [str(file_with("out", b"x")(t) / "sub")] + build()(t)[5:], 2,
+         ("lies below", "which is a file")),
+    Case("build-dir-is-a-file", lambda t: build()(t)[:6] + [str(file_with("bd", b"x")(t))], 2,
+         ("--build-dir", "is a file")),
+    Case("audit-renamed-wheel", audit(renamed), 6, ("file name does not match the wheel's metadata", "renamed",
+                                                    "causal_conv1d-1.7.0+cu130torch2.11sm120-")),
+    Case("diff-bad-deflate", diff(damage_deflate), 6, ("is damaged", "cannot be read", "verify --dir")),
+    Case("diff-bad-crc", diff(damage_crc), 6, ("is damaged", "CRC")),
+    Case("diff-truncated", diff(lambda w: w.write_bytes(w.read_bytes()[:600])), 6,
+         ("is damaged", "central directory", "cut short")),
+    Case("diff-not-a-zip", lambda t: ["diff", str(make_wheel(t / "good")), str(file_with(WHEEL_NAME, b"html")(t))],
+         6, ("is damaged", "not a zip archive")),
     Case("audit-missing-wheel", audit(lambda t: t / "wheels" / WHEEL_NAME), 6, ("does not exist",)),
     Case("audit-not-a-zip", audit(file_with(WHEEL_NAME, b"not a zip at all")), 6, ("not a zip archive", "damaged")),
     Case("audit-truncated", audit(wheel_with(lambda w: w.write_bytes(w.read_bytes()[:200]))), 6, ("damaged",)),
@@ -260,33 +292,138 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
-@pytest.mark.parametrize("sig, code, words", [(signal.SIGTERM, 143, "SIGTERM received"),
-                                              (signal.SIGINT, 130, "interrupted")])
-def test_a_signal_mid_compile_stops_the_compilers_and_leaves_no_staging(sig, code, words, tmp_path):
-    out, pids = tmp_path / "out", tmp_path / "pids"
+def _session_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError):
+        return None
+
+
+def _live_in_session(sid: int) -> list[int]:
+    """Live processes (not zombies) of session `sid`, read from /proc: the build's pip and all it started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _signalled_build(tmp: Path, sig: int) -> tuple[int, str, list[int], int]:
+    """Run the build double, send `sig` once its fake compilers run; return (exit code, stderr, the pids of
+    compilers, ninja and setup.py, the session id of the build's pip) once the build has exited."""
+    out, pids = tmp / "out", tmp / "pids"
     env = {**os.environ, "WHEELBUILDER_DOUBLE_PIDS": str(pids)}
     for name in ("MAX_JOBS", "NVCC_THREADS", "SOURCE_DATE_EPOCH"):
         env.pop(name, None)
     proc = subprocess.Popen([sys.executable, str(DOUBLE), "build", "--target", TARGET, "--out", str(out),
-                             "--build-dir", str(tmp_path / "bd")], env=env, stdout=subprocess.PIPE,
+                             "--build-dir", str(tmp / "bd")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not (pids.exists() and pids.read_text().endswith("\n")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+            time.sleep(0.05)
         children = [int(p) for p in pids.read_text().split()]
+        sid = _session_of(children[0])
+        assert sid is not None and sid != os.getsid(0), "the compilers should run in the build's own session"
         assert list(out.glob(".staging-*")), "the compile should be under way in a staging folder"
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == code, err
+    return proc.returncode, err, children, sid
+
+
+@pytest.mark.parametrize("sig, code, words", [(signal.SIGTERM, 143, "SIGTERM received"),
+                                              (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_mid_compile_stops_the_compilers_and_leaves_no_staging(sig, code, words, tmp_path):
+    rc, err, children, _ = _signalled_build(tmp_path, sig)
+    out = tmp_path / "out"
+    assert rc == code, err
     assert words in err and "Traceback" not in err
     assert not list(out.glob(".staging-*")) and not list(out.glob("*.whl")) and not (out / "manifest.json").exists()
-    deadline = time.monotonic() + 10
-    while any(map(_alive, children)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(_alive, children)), f"compiler processes outlived the build: {children}"
+    assert not [p for p in children if _alive(p)], f"compiler processes outlived the build: {children}"
+
+
+def test_no_compiler_outlives_20_signalled_builds(tmp_path):
+    """The orphan race: pip exits at once on SIGTERM, while ninja stops its jobs (each in a process group
+    of its own) only after it has caught the signal. Twenty builds, SIGTERM and SIGINT in turn: when the
+    build has exited, no process it started is alive, at once (no grace period for stragglers)."""
+    survivors = {}
+    for i in range(20):
+        sig, code = (signal.SIGTERM, 143) if i % 2 == 0 else (signal.SIGINT, 130)
+        rc, err, children, sid = _signalled_build(tmp_path / str(i), sig)
+        left = sorted(set(_live_in_session(sid)) | {p for p in children if _alive(p)})
+        if left:
+            survivors[i] = left
+            for pid in left:  # do not leave them running for the rest of the test run
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        assert rc == code and "Traceback" not in err, err
+        assert not list((tmp_path / str(i) / "out").glob(".staging-*"))
+    assert not survivors, f"processes outlived their build (run: pids): {survivors}"
+
+
+def test_a_pin_mismatch_names_the_targets_file_given(tmp_path, monkeypatch, capsys):
+    """`--targets-file pins.toml`: the sdist's sha256 check says to fix the pin in pins.toml, not in the
+    repository's targets.toml (the real fetch_sdist, reading a cache that holds a different file)."""
+    from wheelbuilder import recipes
+
+    fetch_sdist = recipes.fetch_sdist  # the real one, before the double replaces it
+    _double(monkeypatch)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(recipes, "fetch_sdist", lambda recipe: fetch_sdist(recipe, cache))
+    pins = targets_file(tmp_path, str, "pins.toml")
+    recipe = load(pins).target(TARGET).recipes[0]
+    (cache / recipe.sha256).mkdir(parents=True)
+    (cache / recipe.sha256 / recipe.sdist).write_bytes(b"not the pinned sdist")
+    code = main(["--targets-file", str(pins), "build", "--target", TARGET, "--out", str(tmp_path / "out"),
+                 "--build-dir", str(tmp_path / "bd")])
+    err = capsys.readouterr().err
+    assert_clear_failure(code, 4, err, (f"does not match the pin {recipe.sha256} in {pins}", "moved aside"))
+    assert "targets.toml" not in err
+
+
+@pytest.mark.parametrize("shared", ["build-dir", "out"])
+def test_two_builds_into_one_directory_the_second_is_refused(shared, tmp_path):
+    """Two real build processes, one --build-dir (or one --out): the second stops with BusyError (7) naming
+    the first's pid, and the first's compile goes on untouched until it is stopped."""
+    first_pids = tmp_path / "first.pids"
+    env = {**os.environ, "WHEELBUILDER_DOUBLE_PIDS": str(first_pids)}
+    for name in ("MAX_JOBS", "NVCC_THREADS", "SOURCE_DATE_EPOCH"):
+        env.pop(name, None)
+
+    def build_cmd(name: str) -> list[str]:
+        out = tmp_path / ("out" if shared == "out" else f"out-{name}")
+        bd = tmp_path / ("bd" if shared == "build-dir" else f"bd-{name}")
+        return [sys.executable, str(DOUBLE), "build", "--target", TARGET, "--out", str(out), "--build-dir", str(bd)]
+
+    first = subprocess.Popen(build_cmd("first"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (first_pids.exists() and first_pids.read_text().endswith("\n")):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        compilers = [int(p) for p in first_pids.read_text().split()]
+        sources = sorted(str(p) for p in tmp_path.rglob("setup.py"))
+        second = subprocess.run(build_cmd("second"), env={**env, "WHEELBUILDER_DOUBLE_PIDS": str(tmp_path / "x")},
+                                capture_output=True, text=True, timeout=120)
+        assert_clear_failure(second.returncode, 7, second.stderr, ("another build is using", f"pid {first.pid}"))
+        assert first.poll() is None and all(map(_alive, compilers)), "the first build must go on"
+        assert sorted(str(p) for p in tmp_path.rglob("setup.py")) == sources  # its tree was not unpacked over
+        assert not (tmp_path / "x").exists()  # the second compiled nothing
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 143, err

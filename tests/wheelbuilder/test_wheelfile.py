@@ -148,7 +148,7 @@ def test_damaged_or_misnamed_input_is_refused(tmp_path):
         repack_deterministic(edited, tmp_path / "out", extra_files={}, source_date_epoch=EPOCH)
     renamed = tmp_path / "other_pkg-1.0-py3-none-any.whl"
     write_source_wheel(renamed, list(FILES), (2024, 1, 1, 0, 0, 0))
-    with pytest.raises(AuditError, match="exactly one other_pkg-1.0.dist-info"):
+    with pytest.raises(AuditError, match="the file name does not match the wheel's metadata .*renamed"):
         repack_deterministic(renamed, tmp_path / "out", extra_files={}, source_date_epoch=EPOCH)
     with pytest.raises(BuildError, match="does not exist"):
         repack_deterministic(tmp_path / NAME, tmp_path / "out", extra_files={}, source_date_epoch=EPOCH)

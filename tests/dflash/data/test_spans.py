@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import ChatTemplateError
+from dflash.data.chat import Conversation, render, tools_of
 from dflash.data.spans import Unusable, assistant_char_spans, tokenize_conversation
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "templates"
@@ -42,11 +43,11 @@ def tokenizer_for(template: str, *conversations):
     """The template's tokenizer with a vocabulary covering these conversations' renders."""
     words = "user assistant system What is 2+2? And 3+3? 4 6 Add them. again. You are terse. Hello"
     tok = chat_tokenizer(template, [words])
-    texts = [tok.apply_chat_template(c, tokenize=False) for c in conversations]
+    texts = [render(tok, c) for c in conversations]  # with the conversation's tools, if it has any
     for c in conversations:
         for k in range(1, len(c)):
             try:
-                texts.append(tok.apply_chat_template(c[:k], tokenize=False, add_generation_prompt=True))
+                texts.append(render(tok, Conversation(c[:k], tools_of(c)), add_generation_prompt=True))
             except Exception:  # a prefix this template rejects (no user query yet)
                 pass
     return chat_tokenizer(template, [words, *texts])

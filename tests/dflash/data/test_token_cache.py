@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -35,11 +34,13 @@ def _conversations(n=24):
 
 
 def _config(tmp_path, data, **kw):
-    values = dict(data=str(data), out=str(tmp_path / "run"), data_cache=str(tmp_path / "cache"), num_proc=1,
-                  max_length=512, block_size=4, seed=0, eval_data=None, eval_fraction=0.0, on_bad_line="skip",
-                  progress=False)
+    from dflash.config import TrainConfig
+
+    values = dict(target=str(tmp_path / "target"), data=str(data), out=str(tmp_path / "run"),
+                  data_cache=str(tmp_path / "cache"), num_proc=1, max_length=512, block_size=4, seed=0, eval_data=None,
+                  eval_fraction=0.0, on_bad_line="skip", progress=False)
     values.update(kw)
-    return SimpleNamespace(**values)
+    return TrainConfig.from_flat(values)
 
 
 @pytest.fixture

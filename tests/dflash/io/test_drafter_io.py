@@ -49,48 +49,87 @@ def make_drafter(config, seed=0) -> Drafter:
 
 
 # --- what the engines read -------------------------------------------------------------------------------
-# Each config key the loaders read, with the file that reads it (vllm-project/vllm and sgl-project/sglang).
+# Each config key the loaders read, with the file of the pinned release that reads it (vllm 0.34.0 and
+# sglang 0.5.23 wheels, tests/data/serving/engine-pins.txt); the `serving` tier runs that code on drafters
+# written by dflash-train (test_serving_engines.py).
 VLLM_KEYS = {
-    "architectures": "vllm/model_executor/models/registry.py (DFlashDraftModel -> qwen3_dflash)",
-    "dflash_config.target_layer_ids": "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (ids + 1)",
-    "dflash_config.mask_token_id": "vllm/v1/spec_decode/llm_base_proposer.py (_init_parallel_drafting_params)",
+    "architectures": "vllm/model_executor/models/registry.py (_SPECULATIVE_DECODING_MODELS: -> qwen3_dflash)",
+    "dflash_config.target_layer_ids": "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py "
+                                      "(get_eagle3_aux_layers_from_config: ids + 1)",
+    "dflash_config.mask_token_id": "vllm/v1/worker/gpu/spec_decode/utils.py (get_parallel_drafting_token_id); "
+                                   "vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3Model)",
     "hidden_size": "vllm/model_executor/models/qwen3_dflash.py",
     "num_hidden_layers": "vllm/model_executor/models/qwen3_dflash.py",
     "num_attention_heads": "vllm/model_executor/models/qwen3_dflash.py",
     "num_key_value_heads": "vllm/model_executor/models/qwen3_dflash.py",
     "head_dim": "vllm/model_executor/models/qwen3_dflash.py",
     "intermediate_size": "vllm/model_executor/models/qwen3_dflash.py",
-    "hidden_act": "vllm/model_executor/models/qwen3_dflash.py",
+    "hidden_act": "vllm/model_executor/models/qwen2.py (Qwen2MLP: silu only)",
     "rms_norm_eps": "vllm/model_executor/models/qwen3_dflash.py",
     "attention_bias": "vllm/model_executor/models/qwen3_dflash.py",
     "max_position_embeddings": "vllm/model_executor/models/qwen3_dflash.py",
-    "rope_parameters.rope_theta": "vllm/model_executor/models/qwen3_dflash.py",
+    "rope_parameters.rope_theta": "vllm/model_executor/models/qwen3_dflash.py (set_default_rope_theta, get_rope)",
     "vocab_size": "vllm/model_executor/models/qwen3_dflash.py",
-    "layer_types": "vllm/model_executor/models/qwen3_dflash.py (_resolve_layer_attention)",
+    "layer_types": "vllm/model_executor/models/qwen3_dflash.py (_resolve_layer_attention, _dflash_layer_causal)",
     "sliding_window": "vllm/model_executor/models/qwen3_dflash.py (_resolve_layer_attention)",
 }
 SGLANG_KEYS = {
-    "num_hidden_layers": "python/sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config)",
-    "num_target_layers": "python/sglang/srt/speculative/dflash_utils.py (resolve_target_layer_ids)",
-    "block_size": "python/sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config)",
-    "dflash_config.target_layer_ids": "python/sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config)",
-    "dflash_config.mask_token_id": "python/sglang/srt/speculative/dflash_worker.py (_resolve_mask_token_id)",
-    "hidden_size": "python/sglang/srt/models/dflash.py",
-    "num_attention_heads": "python/sglang/srt/models/dflash.py",
-    "num_key_value_heads": "python/sglang/srt/models/dflash.py",
-    "head_dim": "python/sglang/srt/models/dflash.py",
-    "attention_bias": "python/sglang/srt/models/dflash.py",
-    "rms_norm_eps": "python/sglang/srt/models/dflash.py",
-    "rope_theta": "python/sglang/srt/models/dflash.py (get_rope_config)",
-    "max_position_embeddings": "python/sglang/srt/models/dflash.py",
-    "intermediate_size": "python/sglang/srt/models/dflash.py",
-    "hidden_act": "python/sglang/srt/models/dflash.py (must be silu)",
-    "layer_types": "python/sglang/srt/models/dflash.py (_get_dflash_layer_attention_params)",
-    "sliding_window": "python/sglang/srt/models/dflash.py (_get_dflash_layer_attention_params)",
+    "architectures": "sglang/srt/models/dflash.py (EntryClass: DFlashDraftModel)",
+    "num_hidden_layers": "sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config)",
+    "num_target_layers": "sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config)",
+    "block_size": "sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config)",
+    "dflash_config.target_layer_ids": "sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config)",
+    "dflash_config.mask_token_id": "sglang/srt/speculative/dflash_utils.py (parse_dflash_draft_config); "
+                                   "sglang/srt/speculative/dflash_worker_v2.py (_resolve_mask_token_id)",
+    "hidden_size": "sglang/srt/models/dflash.py",
+    "num_attention_heads": "sglang/srt/models/dflash.py",
+    "num_key_value_heads": "sglang/srt/models/dflash.py",
+    "head_dim": "sglang/srt/models/dflash.py",
+    "attention_bias": "sglang/srt/models/dflash.py",
+    "rms_norm_eps": "sglang/srt/models/dflash.py",
+    "rope_parameters.rope_theta": "sglang/srt/models/dflash.py (get_rope_config)",
+    "max_position_embeddings": "sglang/srt/models/dflash.py",
+    "intermediate_size": "sglang/srt/models/dflash.py",
+    "hidden_act": "sglang/srt/models/dflash.py (DFlashMLP: silu or swigluoai)",
+    "layer_types": "sglang/srt/speculative/dflash_utils.py (get_dflash_layer_types)",
+    "sliding_window": "sglang/srt/speculative/dflash_utils.py (get_dflash_attention_sliding_window_size)",
 }
-# Tensor names, per layer N: vLLM qwen3_dflash.py load_weights prepends "model." and stacks q/k/v ->
-# qkv_proj, gate/up -> gate_up_proj (an unknown name raises); SGLang models/dflash.py load_weights stacks
-# on ".q_proj." etc. and SKIPS a name it cannot resolve (so a wrong name is an uninitialised layer).
+# Keys the engines (or the reference DFlashDraftModel, dflash 0.1.0 model.py) read when present, each
+# changing what they compute; dflash-train writes none of them, and reading refuses each at any value but
+# the one that computes what this project's drafter does. key -> (a value that differs, who reads it).
+OPTIONAL_KEYS = {
+    "is_neox_style": (False, "vllm qwen3_dflash.py DFlashQwen3DecoderLayer"),
+    "rope_is_neox_style": (False, "sglang models/dflash.py DFlashAttention"),
+    "partial_rotary_factor": (0.5, "sglang models/dflash.py DFlashAttention"),
+    "use_gemma_norm": (True, "sglang models/dflash.py (GemmaRMSNorm)"),
+    "is_causal": (True, "vllm qwen3_dflash.py _dflash_layer_causal; sglang models/dflash.py; reference model"),
+    "logit_scale": (2.0, "vllm qwen3_dflash.py DFlashQwen3ForCausalLM (LogitsProcessor)"),
+    "draft_vocab_size": (64, "vllm qwen3_dflash.py DFlashQwen3ForCausalLM (draft_id_to_target_id)"),
+    "target_hidden_size": (64, "vllm qwen3_dflash.py _get_dflash_fc_input_size"),
+    "has_own_lm_head": (True, "vllm qwen3_dflash.py"),
+    "use_aux_hidden_state": (False, "vllm qwen3_dflash.py DFlashQwen3Model (no fc)"),
+    "add_swa_attention_sink_bias": (True, "vllm qwen3_dflash.py"),
+    "eagle_config": ({"use_aux_hidden_state": False}, "vllm qwen3_dflash.py (merged into dflash_config)"),
+    "quantization_config": ({"quant_method": "fp8"}, "vllm and sglang quantized loaders"),
+    "has_embed_tokens": (True, "sglang dflash_utils.py is_nemotron_35_draft_config"),
+    "input_embedding_scale": (2.0, "reference model.py dflash_generate"),
+    "dflash_config.causal": (True, "vllm qwen3_dflash.py _dflash_layer_causal"),
+    "dflash_config.use_swa": (True, "vllm qwen3_dflash.py _resolve_layer_attention"),
+    "dflash_config.swa_window_size": (8, "vllm qwen3_dflash.py _resolve_layer_attention"),
+    "dflash_config.attention_sink_bias": (True, "vllm qwen3_dflash.py; sglang dflash_utils.py"),
+    "dflash_config.attention_value_scale": (0.5, "vllm qwen3_dflash.py; sglang dflash_utils.py"),
+    "dflash_config.mask_token": ("<mask>", "sglang dflash_utils.py; dflash_worker_v2.py _resolve_mask_token_id"),
+    "dflash_config.output_multiplier": (2.0, "sglang dflash_utils.py; reference model.py compute_logits"),
+    "dflash_config.final_logit_softcapping": (30.0, "sglang dflash_utils.py; reference model.py compute_logits"),
+    "dflash_config.conv_kernel_size": (4, "sglang dflash_utils.py (DFlash2 convolutions)"),
+    "dflash_config.projector_type": ("domino", "sglang dflash_utils.py (Domino projector)"),
+    "dflash_config.sample_from_anchor": (True, "vllm v1/worker/gpu/spec_decode/dflash/speculator.py (refuses it)"),
+    "rope_parameters.partial_rotary_factor": (0.25, "sglang models/dflash.py get_rope (rope_scaling)"),
+}
+# Tensor names, per layer N: vLLM qwen3_dflash.py load_weights prepends "model." and its WeightsMapper
+# stacks q/k/v -> qkv_proj, gate/up -> gate_up_proj (utils.py AutoWeightsLoader raises on a name it cannot
+# place); SGLang models/dflash.py load_weights stacks on ".q_proj." etc. and SKIPS a name it cannot
+# resolve (a wrong name would be an uninitialised layer). test_serving_engines.py runs both loaders.
 ENGINE_TENSORS = {
     "fc.weight": "vllm qwen3_dflash.py DFlashQwen3Model.fc; sglang models/dflash.py (fc.weight shape check)",
     "hidden_norm.weight": "vllm qwen3_dflash.py DFlashQwen3Model.hidden_norm; sglang models/dflash.py",
@@ -122,7 +161,7 @@ def test_written_drafter_carries_every_key_and_name_the_engines_read(tmp_path, m
 
     config = make()
     save_drafter(make_drafter(config), tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
     data = json.loads((tmp_path / "config.json").read_text())
     for key, source in {**VLLM_KEYS, **SGLANG_KEYS}.items():
         assert _lookup(data, key) is not None or key == "sliding_window", f"{key} (read by {source})"
@@ -131,7 +170,11 @@ def test_written_drafter_carries_every_key_and_name_the_engines_read(tmp_path, m
     ids = data["dflash_config"]["target_layer_ids"]
     assert ids == sorted(ids) and max(ids) < data["num_target_layers"]  # engines concat in layer order
     assert data["rope_theta"] == data["rope_parameters"]["rope_theta"]
-    assert "eagle_aux_hidden_state_layer_ids" not in data and "auto_map" not in data
+    assert "eagle_aux_hidden_state_layer_ids" not in data
+    assert data["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    for dotted in OPTIONAL_KEYS:  # absent: each engine's default, which is what this project computes
+        head, _, tail = dotted.partition(".")
+        assert (data.get(head, {}).get(tail) if tail else data.get(head)) is None, dotted
     assert len(data["layer_types"]) == data["num_hidden_layers"]
     if "sliding_attention" in data["layer_types"]:
         assert data["use_sliding_window"] is True and data["sliding_window"] == 3
@@ -301,9 +344,10 @@ def test_weights_without_a_config(tmp_path):
     (dict(dflash_config=None), "has no dflash_config"),
     (dict(dflash_config={"target_layer_ids": [1, 2, 3]}), "lacks mask_token_id"),
     (dict(num_target_layers=None), "lacks num_target_layers"),
-    (dict(dflash_config={"target_layer_ids": [1, 2, 3], "mask_token_id": 3, "causal": False}), "uses causal"),
-    (dict(attention_bias=True), "uses attention_bias"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
+    (dict(dflash_config={"target_layer_ids": [1, 2, 3], "mask_token_id": 3, "causal": False}),
+     "dflash_config.causal = False"),
+    (dict(attention_bias=True), "attention_bias = true"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type = 'yarn'"),
     (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8), "use_sliding_window is False"),
     (dict(dflash_config={"target_layer_ids": [3, 1, 2], "mask_token_id": 3}), "ascending"),
     (dict(eagle_aux_hidden_state_layer_ids=[1, 2, 3]), "vLLM would tap"),
@@ -313,6 +357,46 @@ def test_bad_configs_are_named_before_any_weight_is_read(tmp_path, change, messa
     write_reference_dir(tmp_path, config=reference_config_json(**change))
     with pytest.raises(DrafterError, match=message):
         read_drafter_config(tmp_path)
+
+
+def _with(data: dict, dotted: str, value) -> dict:
+    head, _, tail = dotted.partition(".")
+    if tail:
+        data[head] = {**(data.get(head) or {}), tail: value}
+    else:
+        data[head] = value
+    return data
+
+
+@pytest.mark.parametrize("dotted", sorted(OPTIONAL_KEYS))
+def test_a_key_that_changes_what_an_engine_computes_is_refused_by_name(tmp_path, dotted):
+    """A third-party drafter the project cannot run as the engines would is refused, the key named."""
+    value, reader = OPTIONAL_KEYS[dotted]
+    write_reference_dir(tmp_path, config=_with(reference_config_json(), dotted, value))
+    with pytest.raises(DrafterError) as err:
+        read_drafter_config(tmp_path)
+    assert f"{dotted} = {value!r}" in str(err.value), reader
+
+
+@pytest.mark.parametrize("dotted, value", [
+    ("is_neox_style", True), ("use_gemma_norm", False), ("partial_rotary_factor", 1.0), ("logit_scale", 1.0),
+    ("draft_vocab_size", 96), ("target_hidden_size", H), ("is_causal", None), ("use_aux_hidden_state", True),
+    ("dflash_config.attention_sink_bias", False), ("dflash_config.mask_token", "<|MASK|>"),
+    ("target_layer_ids", [1, 2, 3]), ("transformers_version", "5.24.0"), ("torch_dtype", "bfloat16"),
+])
+def test_such_a_key_at_the_value_this_project_computes_is_accepted(tmp_path, dotted, value):
+    write_reference_dir(tmp_path, config=_with(reference_config_json(), dotted, value))
+    assert read_drafter_config(tmp_path).hidden_size == H
+
+
+def test_an_unknown_key_is_refused_by_name(tmp_path):
+    write_reference_dir(tmp_path, config=reference_config_json(mlp_bias=True,
+                                                               dflash_config={"target_layer_ids": [1, 2, 3],
+                                                                              "mask_token_id": 3, "noise": 1}))
+    with pytest.raises(DrafterError) as err:
+        read_drafter_config(tmp_path)
+    assert "mlp_bias (unknown to this project's reader" in str(err.value)
+    assert "dflash_config.noise (unknown" in str(err.value)
 
 
 def test_tensor_names_that_do_not_match_are_listed(tmp_path):

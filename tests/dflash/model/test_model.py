@@ -127,7 +127,8 @@ def test_config_checks_and_dict_round_trip():
 
 def test_save_load_is_bit_exact(tmp_path, drafter):
     save_drafter(drafter, tmp_path / "ckpt", dtype=None)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == ["config.json", "model.safetensors", "modeling_dflash.py"]
     loaded = load_drafter(tmp_path / "ckpt")
     assert loaded.config == drafter.config
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash import distributed
+from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
@@ -57,8 +58,8 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["tokens"] == a["tokens"] and b["anchors"] == a["anchors"]
-    w1 = load_file(str(outs[1] / "drafter" / "model.safetensors"))
-    w2 = load_file(str(outs[2] / "drafter" / "model.safetensors"))
+    w1 = load_file(str(RunDir(outs[1]).drafter / "model.safetensors"))
+    w2 = load_file(str(RunDir(outs[2]).drafter / "model.safetensors"))
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6)
 
@@ -84,14 +85,14 @@ def test_a_two_process_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
                           "-m", "dflash.cli", "train", *train_args(target, data, two, **opts)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert ckpt.read_latest(two / "checkpoints") == ckpt.step_dir_name(4)
+    assert ckpt.read_latest(RunDir(two).checkpoints) == ckpt.step_dir_name(4)
 
     shutil.copytree(two, split)  # the same run, as if it had stopped right after its step-2 checkpoint
-    shutil.rmtree(split / "checkpoints" / ckpt.step_dir_name(4))
-    shutil.rmtree(split / "drafter")
-    (split / "checkpoints" / "latest").write_text(ckpt.step_dir_name(2) + "\n")
-    lines = (split / "metrics.jsonl").read_text().splitlines()
-    (split / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    shutil.rmtree(RunDir(split).checkpoints / ckpt.step_dir_name(4))
+    shutil.rmtree(RunDir(split).drafter)
+    (RunDir(split).checkpoints / "latest").write_text(ckpt.step_dir_name(2) + "\n")
+    lines = RunDir(split).metrics.read_text().splitlines()
+    RunDir(split).metrics.write_text("\n".join(lines[:2]) + "\n")
 
     assert train_main(train_args(target, data, split, **opts) + ["--resume"]) == 0
     straight, resumed = read_metrics(two), read_metrics(split)
@@ -99,7 +100,7 @@ def test_a_two_process_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
     for a, b in zip(straight, resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["tokens"] == a["tokens"] and b["anchors"] == a["anchors"]
-    w1 = load_file(str(two / "drafter" / "model.safetensors"))
-    w2 = load_file(str(split / "drafter" / "model.safetensors"))
+    w1 = load_file(str(RunDir(two).drafter / "model.safetensors"))
+    w2 = load_file(str(RunDir(split).drafter / "model.safetensors"))
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6)

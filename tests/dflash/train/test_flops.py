@@ -1,27 +1,20 @@
-"""dflash.flops: the trainer's model FLOPs (anchor positions, no mask built) equal the benchmark's
-count from the drafter's dense attention mask; the peak is known for data-sheet GPUs and absent on a CPU."""
+"""dflash.train.flops: the trainer's model FLOPs (anchor positions, no mask built) equal the count from the
+drafter's dense attention mask (dense_mask_flops); the peak is known for data-sheet GPUs and absent on a CPU."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dflash.train.blocks import build_blocks, sample_anchors
 from dflash.data.batches import collate
-from dflash.train.flops import StepFlops, drafter_pairs, peak_flops
+from dflash.train.flops import StepFlops, dense_mask_flops, drafter_pairs, peak_flops
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import Target
 from tests.support.dflash_train_fixtures import save_chat_target
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
 
 def test_step_flops_match_the_dense_mask_count(tmp_path):
-    from bench.bench_train import model_flops
-
     target = Target.load(save_chat_target(tmp_path / "target"))
     dcfg = DrafterConfig.from_target(target, num_hidden_layers=2, block_size=4)
     g = torch.Generator().manual_seed(0)
@@ -34,7 +27,7 @@ def test_step_flops_match_the_dense_mask_count(tmp_path):
     batch = collate(items, pad_id=0)
     blocks = build_blocks(batch["input_ids"], batch["loss_mask"] * batch["attention_mask"], anchors, 4,
                           target.mask_token_id)
-    exact = model_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
+    exact = dense_mask_flops(target, dcfg, batch["input_ids"], batch["attention_mask"], blocks)
     counted = StepFlops(target, dcfg)(items, anchors)
     assert counted == pytest.approx(exact["total"], rel=1e-12)
 

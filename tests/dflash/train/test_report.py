@@ -9,6 +9,7 @@ import pytest
 
 from dflash.cli import main, train_main
 from dflash.train.run_report import PLOTS, read_records, write_report
+from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -38,8 +39,8 @@ def _check_png(path) -> None:
 
 def test_every_run_ends_with_its_report(run_dir):
     for name in PLOTS:
-        _check_png(run_dir / "report" / f"{name}.png")
-    text = (run_dir / "report" / "report.md").read_text()
+        _check_png(RunDir(run_dir).report / f"{name}.png")
+    text = (RunDir(run_dir).report / "report.md").read_text()
     assert text.startswith(f"# Run report: {run_dir.name}")
     assert "| last evaluation (step 4) |" in text
     assert all(f"({name}.png)" in text for name in PLOTS)
@@ -47,23 +48,23 @@ def test_every_run_ends_with_its_report(run_dir):
 
 def test_report_on_demand_rewrites_it(run_dir, capsys):
     for name in PLOTS:
-        (run_dir / "report" / f"{name}.png").unlink()
+        (RunDir(run_dir).report / f"{name}.png").unlink()
     assert main(["report", str(run_dir)]) == 0
     assert "report.md" in capsys.readouterr().out
     for name in PLOTS:
-        _check_png(run_dir / "report" / f"{name}.png")
+        _check_png(RunDir(run_dir).report / f"{name}.png")
 
 
 def test_records_take_the_last_of_a_repeated_step(tmp_path):
     lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "split": "train"},
              {"step": 2, "loss": 2.5, "split": "eval", "tau_est": 1.5},
              {"step": 2, "loss": 1.5, "split": "train"}]  # resumed from step 1: step 2 again
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 3, "lo')
+    RunDir(tmp_path).metrics.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 3, "lo')
     train, evals = read_records(tmp_path)
     assert [(r["step"], r["loss"]) for r in train] == [(1, 3.0), (2, 1.5)]
     assert [(r["step"], r["loss"]) for r in evals] == [(2, 2.5)]
     write_report(tmp_path)  # no config.json, no tokens/s: still a report
-    _check_png(tmp_path / "report" / "loss.png")
+    _check_png(RunDir(tmp_path).report / "loss.png")
 
 
 def test_report_of_a_dir_without_metrics_says_so(tmp_path, capsys):

@@ -13,6 +13,7 @@ from dflash.cli import train_main
 from dflash.errors import ConfigError
 from dflash.train.step import acceptance_sums, summarize
 from dflash.config import check_report_to
+from dflash.train.rundir import RunDir
 from dflash.train.trackers import open_trackers, scalars
 from dflash.train.evaluation import prompt_of, split_items
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
@@ -39,7 +40,7 @@ def _event_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_holds_the_training_and_evaluation_scalars(tracked_run):
-    tags = _event_scalars(tracked_run / "tensorboard")
+    tags = _event_scalars(RunDir(tracked_run).tensorboard)
     for name in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/acc",
                  "train/tau_est", "train/acc_per_pos/1", "train/accept_per_pos/3"):
         assert [step for step, _ in tags[name]] == [1, 2, 3, 4], name
@@ -58,12 +59,12 @@ def test_metrics_jsonl_has_eval_records(tracked_run):
         assert r["sequences"] == 6 and r["tau_prompts"] == 2
         assert len(r["accept_per_pos"]) == len(r["acc_per_pos"]) == 3  # block size 4
         assert 1.0 <= r["tau_est"] <= 4.0 and 1.0 <= r["tau"] <= 4.0 and 1.0 <= r["tau_replay"] <= 4.0
-    assert "tensorboard" in json.loads((tracked_run / "config.json").read_text())["report_to"]
+    assert "tensorboard" in json.loads(RunDir(tracked_run).config.read_text())["watch"]["report_to"]
 
 
 def test_only_rank_0_opens_trackers(tmp_path):
-    assert open_trackers(["tensorboard"], tmp_path, {}, is_main=False).trackers == []
-    assert not (tmp_path / "tensorboard").exists()
+    assert open_trackers(["tensorboard"], RunDir(tmp_path), {}, is_main=False).trackers == []
+    assert not RunDir(tmp_path).tensorboard.exists()
 
 
 @pytest.mark.parametrize("name", ["wandb", "trackio"])
@@ -77,7 +78,7 @@ def test_missing_optional_tracker_names_the_install(tmp_path, monkeypatch, name)
 
     monkeypatch.setattr(builtins, "__import__", no_such_module)
     with pytest.raises(ConfigError, match=f"`pip install {name}`"):
-        open_trackers([name], tmp_path, {})
+        open_trackers([name], RunDir(tmp_path), {})
 
 
 def test_report_to_names_are_checked():

@@ -3,7 +3,6 @@ SIGTERM/SIGINT handling, refusal to resume a mismatched run, and (slow) a demo r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ from dflash.config import TrainConfig
 from dflash.train.blocks import build_blocks, sample_anchors
 from dflash.train.schedule import lr_lambda
 from dflash.train.trainer import train
+from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
@@ -83,10 +83,9 @@ def test_lr_schedule_warms_up_linearly_then_decays_by_cosine():
 
 # --- resume ----------------------------------------------------------------------------------------
 def _config(target, data, out, **kw) -> TrainConfig:
-    from dflash.config import from_args
-    from dflash.cli import train_parser
+    from dflash.cli import train_config
 
-    return from_args(train_parser().parse_args(train_args(target, data, out, **kw)))
+    return train_config(train_args(target, data, out, **kw))
 
 
 def test_resume_gives_the_same_run_as_no_interruption(tiny, tmp_path):
@@ -94,11 +93,11 @@ def test_resume_gives_the_same_run_as_no_interruption(tiny, tmp_path):
     target, data = tiny
     cfg = _config(target, data, tmp_path / "straight", max_steps=4, grad_accum=2)
     straight = train(cfg, handle_signals=False)
-    first = train(dataclasses.replace(cfg, out=str(tmp_path / "split")), handle_signals=False,
+    first = train(cfg.replace(out=str(tmp_path / "split")), handle_signals=False,
                   on_step=lambda step, _m: step == 2)
     assert first.stopped_by == "request" and first.step == 2 and first.exit_code == 0
-    assert not (tmp_path / "split" / "drafter").exists()  # only a finished run exports its drafter
-    rest = train(dataclasses.replace(cfg, out=str(tmp_path / "split"), resume=True), handle_signals=False)
+    assert not RunDir(tmp_path / "split").drafter.exists()  # only a finished run exports its drafter
+    rest = train(cfg.replace(out=str(tmp_path / "split"), resume=True), handle_signals=False)
     assert rest.step == 4
     assert [m["loss"] for m in first.history + rest.history] == [m["loss"] for m in straight.history]
     for (name, a), b in zip(straight.drafter.state_dict().items(), rest.drafter.state_dict().values()):
@@ -115,7 +114,7 @@ def test_resume_refuses_a_changed_drafter_or_target(tiny, tmp_path):
     other = save_chat_target(tmp_path / "other", hidden_size=48)
     assert train_main(train_args(target, data, out, max_steps=2, drafter_layers=2) + ["--resume"]) == 3
     assert train_main(train_args(other, data, out, max_steps=2) + ["--resume"]) == 3
-    assert ckpt.read_latest(out / "checkpoints") == "step-00000001"
+    assert ckpt.read_latest(RunDir(out).checkpoints) == "step-00000001"
 
 
 def test_resume_without_a_run_says_so(tmp_path, capsys):
@@ -130,7 +129,7 @@ def _run_until_first_step(argv: list[str], out: Path, env: dict) -> subprocess.P
     proc = subprocess.Popen([PY, "-m", "dflash.cli", "train", *argv], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
-    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+    while not (RunDir(out).metrics.exists() and RunDir(out).metrics.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"trainer did not reach a step: {proc.communicate()[0][-3000:]}")
@@ -148,8 +147,8 @@ def test_signal_finishes_the_step_and_checkpoints(tiny, tmp_path, sig, code):
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == code, output[-3000:]
     last = read_metrics(out)[-1]["step"]
-    assert ckpt.read_latest(out / "checkpoints") == ckpt.step_dir_name(last)
-    assert ckpt.load_state(out / "checkpoints" / ckpt.step_dir_name(last))["step"] == last
+    assert ckpt.read_latest(RunDir(out).checkpoints) == ckpt.step_dir_name(last)
+    assert ckpt.load_state(RunDir(out).checkpoints / ckpt.step_dir_name(last))["step"] == last
     assert f"{signal.Signals(sig).name} received" in output and "--resume" in output
     beat = json.loads((tmp_path / "heartbeat").read_text())
     assert beat["step"] == last and beat["finished"] is True
@@ -173,7 +172,7 @@ def test_demo_drafter_beats_both_baselines(tmp_path):
 
     out = tmp_path / "demo"
     assert train_main(["--out", str(out), "--no-progress", "--device", "cpu", *LEARN_ARGS]) == 0
-    results = json.loads((out / "eval.json").read_text())
+    results = json.loads(RunDir(out).eval_results.read_text())
     trained = results["trained drafter"]
     assert trained["lossless"] is True and trained["tau"] >= MIN_TAU, results
     for baseline in ("untrained drafter", "repeat last token"):
@@ -212,7 +211,7 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
     g = torch.Generator().manual_seed(0)
     items = [{"input_ids": torch.randint(4, 1000, (8192,), generator=g), "loss_mask": torch.ones(8192, dtype=torch.long)}
              for _ in range(8)]
-    cfg = TrainConfig(out=str(tmp_path / "oom"), max_length=8192, max_tokens=8 * 8192, batch_size=8,
+    cfg = TrainConfig.from_flat(out=str(tmp_path / "oom"), max_length=8192, max_tokens=8 * 8192, batch_size=8,
                       max_anchors=4096, max_steps=1, epochs=0, drafter_layers=1, progress=False, device="cuda")
     with pytest.raises(TrainError, match="out of memory.*--max-anchors \\(now 4096\\).*--max-tokens.*--batch-size"):
         train(cfg, target=target, items=items, handle_signals=False)
@@ -225,11 +224,12 @@ def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
     from dflash.train.trainer import attention_impl
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert attention_impl(TrainConfig(out=str(tmp_path)), cpu) == "sdpa"
-    assert attention_impl(TrainConfig(out=str(tmp_path)), cuda) == "flex"
-    assert attention_impl(TrainConfig(out=str(tmp_path), attention="sdpa"), cuda) == "sdpa"
+    config = TrainConfig.from_flat
+    assert attention_impl(config(out=str(tmp_path)), cpu) == "sdpa"
+    assert attention_impl(config(out=str(tmp_path)), cuda) == "flex"
+    assert attention_impl(config(out=str(tmp_path), attention="sdpa"), cuda) == "sdpa"
     with pytest.raises(ConfigError, match="--attention flex needs a GPU.*--attention sdpa"):
-        attention_impl(TrainConfig(out=str(tmp_path), attention="flex"), cpu)
-    assert attention_impl(TrainConfig(out=str(tmp_path)), cuda, head_dim=8) == "sdpa"  # too narrow for flex
+        attention_impl(config(out=str(tmp_path), attention="flex"), cpu)
+    assert attention_impl(config(out=str(tmp_path)), cuda, head_dim=8) == "sdpa"  # too narrow for flex
     with pytest.raises(ConfigError, match="head_dim >= 16.*8 wide"):
-        attention_impl(TrainConfig(out=str(tmp_path), attention="flex"), cuda, head_dim=8)
+        attention_impl(config(out=str(tmp_path), attention="flex"), cuda, head_dim=8)

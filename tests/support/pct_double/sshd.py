@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -26,6 +27,29 @@ class LoopbackSshd:
     workdir: Path
     proc: subprocess.Popen
 
+    def sessions(self) -> list[int]:
+        """Pids of the per-connection processes this sshd has forked (they serve the sessions and SFTP)."""
+        kids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the process ended while we looked
+                continue
+            if int(fields[1]) == self.proc.pid:
+                kids.append(int(stat.parent.name))
+        return kids
+
+    def drop_connections(self) -> list[int]:
+        """SIGKILL every session process: to a client, the connection closes mid-way (sshd restarted,
+        the host rebooted). Returns the pids it killed."""
+        killed = self.sessions()
+        for pid in killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return killed
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -37,9 +61,9 @@ class LoopbackSshd:
 def available() -> str | None:
     """None when a loopback sshd can run here, else why not."""
     if not shutil.which("sshd", path="/usr/sbin:" + os.environ.get("PATH", "")):
-        return "sshd (openssh-server) is not installed"
+        return "sshd is not installed (apt-get install openssh-server)"
     if not shutil.which("ssh-keygen"):
-        return "ssh-keygen is not installed"
+        return "ssh-keygen is not installed (apt-get install openssh-client)"
     return None
 
 

@@ -1,0 +1,65 @@
+"""The option table of `dflash-train`: every option by its unique name, with its section, field and type,
+and the reading of {option: value} mappings that may group options in section tables.
+
+Option names are unique across the sections of dflash.config.sections, so a flat mapping names every
+value without its section; `flatten` also accepts `{section: {option: value}}` and dashes for
+underscores, and fails on an unknown key or an option under the wrong section, naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+
+from dflash.config.sections import SECTIONS, flag
+from dflash.errors import ConfigError
+
+
+def _options() -> dict[str, tuple[str, dataclasses.Field, object]]:
+    """option name -> (section, field, type), in --help order."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert f.name not in out and f.name not in SECTIONS, f"option {f.name} is not unique"
+            out[f.name] = (section, f, hints[f.name])
+    return out
+
+
+OPTIONS = _options()
+
+
+def unknown_option(key: str, where: str, names=None) -> ConfigError:
+    """The error for a key that names no option, with the closest option spelled as the key is
+    (`block-sise` -> `block-size`, `block_sise` -> `block_size`)."""
+    names = list(OPTIONS if names is None else names)
+    spell = flag if "-" in str(key) else (lambda n: n)
+    hint = difflib.get_close_matches(spell(str(key).split(".")[-1]), [spell(n) for n in names], n=1)
+    return ConfigError(f"{where}: unknown option '{key}'."
+                       + (f" Did you mean '{hint[0]}'?" if hint else " `dflash-train --help` lists them."))
+
+
+def flatten(data: dict, where: str, convert=None) -> dict:
+    """{option: value} of a mapping whose keys are options, or sections holding options (keys may use
+    dashes: `block-size`). An unknown key, or an option under the wrong section, fails naming the fix.
+    `convert(option, key as written, value)` may check and convert each value."""
+    convert = convert or (lambda _option, _key, value: value)
+    flat: dict = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                option = str(inner).replace("-", "_")
+                if option not in OPTIONS:
+                    section_options = [n for n, (s, _f, _t) in OPTIONS.items() if s == name]
+                    raise unknown_option(f"{key}.{inner}", where, section_options + list(OPTIONS))
+                if OPTIONS[option][0] != name:
+                    raise ConfigError(f"{where}: '{inner}' belongs to the [{OPTIONS[option][0]}] section, not "
+                                      f"[{key}]; move it there or write it without a section.")
+                flat[option] = convert(option, f"{key}.{inner}", inner_value)
+        elif name in OPTIONS:
+            flat[name] = convert(name, key, value)
+        else:
+            raise unknown_option(key, where)
+    return flat
