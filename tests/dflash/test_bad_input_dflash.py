@@ -271,9 +271,7 @@ CASES = [
          ("config.json that dflash-train did not write", "a directory of its own"), True,
          resume_from=foreign_config, untouched=True, leaves=()),
     Case("block-size-0-one-message", train_main, train_flags("--block-size", "0"), 2,
-         ("--block-size is 0", "2 or more"), True, absent=("at least 1",),
-         xfail="the check lives in dflash/config/__init__.py (TrainConfig.__post_init__): the generic 'at least 1' "
-               "loop runs before the block-size check that says 2"),
+         ("--block-size is 0", "2 or more"), True, absent=("at least 1",)),
     Case("resume-run-config-wrong-type", train_main, train_flags("--resume"), 2, ("config.json", "block_size"), True,
          resume_from=lambda out: edit_json(RunDir(out).config.name,
                                            lambda d: d["model"].update(block_size="four"))(out),
