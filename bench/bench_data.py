@@ -6,7 +6,7 @@ training step on a cold and on a warm token cache.
 
 The synthetic set: multi-turn chats (2-4 user turns), a third of the answers with reasoning, every
 fifth conversation with a tool call and its result, written as chat JSONL. The tokenizer is a byte-level
-BPE trained on a sample of the set (dflash.demo.tokenizer), with bench/templates/think_in_prompt.jinja
+BPE trained on a sample of the set (dflash.demo.tokenizer), with chat_templates/think_in_prompt.jinja
 (Qwen3.5's rules: think block in the generation prompt, reasoning stripped from history), the span
 locator's slowest path. Tokenisation runs through dflash.data.token_cache exactly as a run does. The time to
 first step trains a tiny random Qwen3 target (6 layers, hidden 32, its vocabulary sized to the tokenizer)
@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Qwen3.5's chat rules, the span locator's slowest path
-TEMPLATE = Path(__file__).resolve().parent / "templates" / "think_in_prompt.jinja"
+# Qwen3.5's chat rules, the span locator's slowest path (the span tests render the same file)
+TEMPLATE = Path(__file__).resolve().parents[1] / "chat_templates" / "think_in_prompt.jinja"
 
 WORDS = ("the a fox river count number list answer because first then after sum prime city weather "
          "table function value result step check small large north south read write").split()

@@ -4,7 +4,7 @@ push-docker against a plain `docker save | ssh HOST docker load`, all on loopbac
     python bench/bench_publish.py                    (a labelled demo image; --image dflash-train:cu130-sm120)
 
   1. start a loopback registry (docker-registry, TLS, htpasswd) and a second, empty Docker engine
-     (bench/loopback.py)
+     (loopback/registry.py, loopback/engine.py)
   2. publish twice: seconds, layers and bytes the engine sent, blob uploads the registry saw
   3. pull the published image into the second engine: seconds
   4. push-docker to the second engine through a loopback sshd (save | zstd, SFTP, load, ID check), then
@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopback import (labelled_demo_image, remove_engine_trust, start_engine,  # bench/loopback.py
-                      start_registry, start_sshd)
-
 from images import publish, push_docker
+from loopback import registry, sshd
+from loopback.demo_image import labelled_demo_image
+from loopback.engine import start as start_engine
 
 
 def far_rmi(docker_host: str, image: str) -> None:
@@ -35,7 +35,7 @@ def far_rmi(docker_host: str, image: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image", help="image to publish (default: a labelled demo image, bench/loopback.py)")
+    p.add_argument("--image", help="image to publish (default: a labelled demo image, loopback/demo_image.py)")
     p.add_argument("--target", help="accepted for `make bench-publish`; --image wins")
     a = p.parse_args()
     image = a.image or labelled_demo_image("dflash-bench-publish:cu130-sm120")
@@ -45,11 +45,11 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-publish-") as tmp:
         work = Path(tmp)
-        reg = start_registry(work / "registry")
+        reg = registry.start(work / "registry")
         far_root = Path(f"/tmp/dflash-bench-far-{os.getpid()}")
         far_root.mkdir()
-        engine, far_host = start_engine(far_root)
-        server = start_sshd(work / "sshd", {"DOCKER_HOST": far_host})
+        engine, far_host = start_engine(far_root, namespace="dflash-bench")
+        server = sshd.start(work / "sshd", {"DOCKER_HOST": far_host})
         try:
             os.environ.update(DFLASH_REGISTRY_USER=reg.user, DFLASH_REGISTRY_PASSWORD=reg.password)
             o = publish.PublishOptions(image=image, registry=f"{reg.host}/bench", ca_cert=str(reg.ca), progress=False)
@@ -95,7 +95,7 @@ def main() -> int:
             engine.wait(30)
             subprocess.run(["rm", "-rf", str(far_root)])
             reg.stop()
-            remove_engine_trust(reg.host)
+            registry.remove_engine_trust(reg.host)
     print(f"\nimage {image} ({save_bytes / 1e6:.0f} MB uncompressed)")
     print(f"{'step':<38}{'seconds':>9}{'MB sent':>10}  notes")
     for label, s, b, note in rows:

@@ -4,7 +4,7 @@
 
   1. export the image as an OCI archive and as a rootfs template (.tar.zst), timed; sizes beside the
      uncompressed rootfs tar
-  2. start a throwaway OpenSSH server on 127.0.0.1 (bench/loopback.py) and upload each payload with
+  2. start a throwaway OpenSSH server on 127.0.0.1 (loopback/sshd.py) and upload each payload with
      SSH compression off and on: the same code path as `push` (SFTP, sha256 on the host, atomic rename)
 and prints a table. Loopback has no network limit, so the rates measure SSH/SFTP and hashing cost, the
 floor of what a real link adds to; on a slow link, the template's zstd size is what matters.
@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopback import demo_image, start_sshd  # bench/loopback.py: a script's directory is first on sys.path
-
 from common.fsutil import sha256_file
 from images import export, transfer
+from loopback import sshd
+from loopback.demo_image import demo_image
 
 
 def upload(server, payload: Path, dest: Path, compress: bool) -> tuple[float, float]:
@@ -39,7 +39,7 @@ def upload(server, payload: Path, dest: Path, compress: bool) -> tuple[float, fl
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image", help="image to export (default: a small demo image, bench/loopback.py)")
+    p.add_argument("--image", help="image to export (default: a small demo image, loopback/demo_image.py)")
     p.add_argument("--zstd-level", type=int, default=10)
     a = p.parse_args()
     image = a.image or demo_image()
@@ -57,7 +57,7 @@ def main() -> int:
               f"{result.seconds['template']:>10.1f}")
         print(f"{'rootfs tar, uncompressed':<28}{raw.stat().st_size / 1e6:>10.1f}{'':>10}")
 
-        server = start_sshd(work / "sshd")
+        server = sshd.start(work / "sshd")
         try:
             print(f"\n{'payload':<28}{'ssh compression':>16}{'seconds':>10}{'MB/s':>8}")
             for name, payload in (("template .tar.zst", template), ("OCI archive", oci), ("rootfs tar", raw)):

@@ -176,7 +176,7 @@ def _repack(spool: Path, dest: Path, info: ImageInfo, epoch: int, zstd_cmd: list
                 members[parent] = _normalize(d, epoch)
                 parent = os.path.dirname(parent)
         # Hard links after everything else: their targets must already be unpacked.
-        order = sorted((n for n in set(members) | set(extra) if not (n in members and members[n].islnk())))
+        order = sorted(n for n in set(members) | set(extra) if not (n in members and members[n].islnk()))
         order += sorted(n for n in members if members[n].islnk() and n not in extra)
         proc = subprocess.Popen(zstd_cmd, stdin=subprocess.PIPE)
         try:

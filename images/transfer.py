@@ -119,7 +119,7 @@ class SshHost:
         except socket.gaierror as e:
             raise TransferError(f"cannot resolve the host name '{self.hostname}' ({e.strerror or e}); check "
                                 "--host (USER@HOST), or use the host's IP address.") from None
-        except (OSError, socket.timeout) as e:
+        except (TimeoutError, OSError) as e:
             raise TransferError(f"cannot connect to {target} port {port}: {e}. Is sshd running there, on "
                                 f"port {port}?") from None
         if accept_new_host_key:

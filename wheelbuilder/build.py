@@ -135,7 +135,7 @@ def compile_recipe(recipe: Recipe, target: Target, toolchain: DetectedToolchain,
         run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir",
              "--disable-pip-version-check", "-v", "-w", str(raw), str(src)],
             cwd=src, env=env, log=log, on_line=progress, quiet=False)
-    except BuildError as e:
+    except BuildError:
         if progress.killed:
             raise BuildError(
                 f"the compiler was killed, most likely for lack of memory (MAX_JOBS={plan.max_jobs}, "

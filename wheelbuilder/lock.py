@@ -21,11 +21,8 @@ side: images/pin_file.py reads and writes it, images/pins.py talks to the regist
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
-import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.utils import canonicalize_name

@@ -4,7 +4,7 @@ cosine decay to 0 (the DFlash recipe: warm-up 4 % of the steps)."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:

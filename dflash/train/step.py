@@ -19,7 +19,7 @@ logs them; the one value read back in a step is the count of scored rows (dflash
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

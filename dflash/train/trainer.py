@@ -19,7 +19,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP

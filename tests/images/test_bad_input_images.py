@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -26,13 +26,14 @@ from tests.support.bad_input import assert_clear_failure, snapshot
 from images import imageinfo, template
 from images.transfer import main_send
 from common.fsutil import sha256_file
+from loopback.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.support.pct_double import sshd
+    from loopback import sshd
 
     why = sshd.available()
     if why:
@@ -40,12 +41,6 @@ def server(tmp_path_factory):
     s = sshd.start(tmp_path_factory.mktemp("sshd"))
     yield s
     s.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 NOT_SSH: dict[str, int] = {}  # the port of the `not_ssh` listener, while it runs
@@ -113,7 +108,8 @@ def empty_known(t: Path, s) -> Path:
 CASES = [
     Case("unknown-host-key", send(known=empty_known), 11, ("is not in", "--accept-new-host-key")),
     Case("changed-host-key", send(known=other_key), 11, ("does not match", "ssh-keygen -R")),
-    Case("changed-host-key-accept-new", send(known=other_key, extra=("--accept-new-host-key",)), 11, ("does not match",)),
+    Case("changed-host-key-accept-new", send(known=other_key, extra=("--accept-new-host-key",)), 11,
+         ("does not match",)),
     Case("connection-refused", send(port=lambda s: free_port()), 10, ("cannot connect", "Is sshd running")),
     Case("port-is-not-ssh", send(port=lambda s: NOT_SSH["port"]), 10,
          ("answered, but not as an SSH server", "protocol banner", "Check --port")),
@@ -239,7 +235,7 @@ def test_upload_to_a_port_where_no_ssh_server_answers(not_ssh, tmp_path):
 def test_push_to_a_port_where_no_ssh_server_answers(not_ssh, tmp_path):
     """`python -m images push` to a port where a web server answers: one message, exit 10, and none of
     paramiko's tracebacks before it."""
-    from tests.support.pct_double.demo_image import demo_image_or_skip
+    from tests.support.demo_image import demo_image_or_skip
 
     image = demo_image_or_skip()
     r = _run("images", "push", "--host", "root@127.0.0.1", "--port", str(not_ssh), "--ctid", "200", "--image",
@@ -268,7 +264,7 @@ def test_two_exports_into_one_directory_are_refused_or_serialised(tmp_path):
     """Two real `export` processes started together into one --out-dir: the second is refused (7) while the
     first holds the directory, or runs after it; never both at once (they would share .NAME.tmp)."""
     from images import records
-    from tests.support.pct_double.demo_image import demo_image_or_skip
+    from tests.support.demo_image import demo_image_or_skip
 
     image = demo_image_or_skip()
     out = tmp_path / "dist"

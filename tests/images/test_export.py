@@ -12,7 +12,7 @@ import pytest
 from images import export, imageinfo, oci, records, template
 from images.errors import ExportError
 from tests.conftest import need_tools
-from tests.support.pct_double.demo_image import demo_image
+from loopback.demo_image import demo_image
 from common.fsutil import sha256_file
 
 
@@ -106,7 +106,7 @@ def test_oci_archive_is_uncompressed_oci_layout(exported):
 @pytest.mark.docker
 def test_records_describe_each_artifact(exported):
     image, out, result = exported
-    for path, rec in zip(result.artifacts, result.records):
+    for path, rec in zip(result.artifacts, result.records, strict=True):
         on_disk = json.loads(records.record_path(path).read_text())
         assert on_disk == rec
         assert rec["size"] == path.stat().st_size and rec["sha256"] == sha256_file(path)
@@ -147,7 +147,8 @@ def test_template_export_is_bit_identical(exported, tmp_path):
 
 
 def test_init_prefix_of_the_entrypoint_is_not_wrapped():
-    members = {n: tarfile.TarInfo(n) for n in ("./usr/bin/tini", "./opt/venv/bin/dflash", "./opt/venv/bin/dflash-train")}
+    members = {n: tarfile.TarInfo(n)
+               for n in ("./usr/bin/tini", "./opt/venv/bin/dflash", "./opt/venv/bin/dflash-train")}
     info = _info(entrypoint=["tini", "--", "dflash", "entrypoint"], env=["PATH=/opt/venv/bin:/usr/bin"])
     files = template.carried_files(info, members)
     assert "./usr/local/bin/tini" not in files
@@ -157,7 +158,8 @@ def test_init_prefix_of_the_entrypoint_is_not_wrapped():
 def test_image_defaults_to_the_targets_image():
     parser = argparse.ArgumentParser()
     export.register(parser.add_subparsers(dest="command"))
-    assert export.image_from_args(parser.parse_args(["export", "--target", "cu130-sm120"])) == "dflash-train:cu130-sm120"
+    by_target = parser.parse_args(["export", "--target", "cu130-sm120"])
+    assert export.image_from_args(by_target) == "dflash-train:cu130-sm120"
     assert export.image_from_args(parser.parse_args(["export", "--image", "mine:1"])) == "mine:1"
 
 

@@ -6,7 +6,7 @@ so inside the container a `dflash-train --num-proc 2` tokenisation, a 2-process 
 doctor's shm and loopback checks pass; in a container whose init sets up neither (the issue as reported),
 the same tokenisation fails and the doctor names both fixes.
 
-Those run in a template exported from `python_image()` (tests/support/pct_double/demo_image.py): Debian's minimal
+Those run in a template exported from `python_image()` (tests/support/demo_image.py): Debian's minimal
 base with Debian's python3, no iproute2, a non-root user, like the runtime image. Its site-packages is this
 machine's venv (torch, datasets, transformers) and the source tree is this checkout, both bind-mounted
 read-only, so no multi-GB copy is made; everything else (init, /dev, the network namespace, the user) is
@@ -27,7 +27,7 @@ from tests.conftest import need_tools
 from images.errors import LxcError
 from images.template import INIT_SHIM
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
-from tests.support.pct_double.demo_image import demo_image_or_skip, python_image
+from tests.support.demo_image import demo_image_or_skip, python_image
 
 pytestmark = [pytest.mark.lxc, pytest.mark.docker]
 

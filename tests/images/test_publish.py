@@ -3,19 +3,18 @@ auth): tags, no layer sent twice, the SBOM as a referrer, pull back and run the 
 
 import base64
 import json
-import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import loopback_registry
 from tests.conftest import CI_TARGET, REQUIRED, need_tools
 from images import publish, push, registry
 from images.errors import ExportError, HostError, RegistryError
-from tests.support.pct_double.demo_image import labelled_demo_image
+from loopback import registry as loopback_registry
+from loopback.demo_image import labelled_demo_image
+from loopback.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_A, IMAGE_B = "dflash-publish-demo:a", "dflash-publish-demo:b"
@@ -76,7 +75,7 @@ def reg(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def images_ab():
-    from tests.support.pct_double.demo_image import demo_image_or_skip
+    from tests.support.demo_image import demo_image_or_skip
 
     demo_image_or_skip()
     return labelled_demo_image(IMAGE_A, "aaaaaaaaaaaaaaaaaaaa"), labelled_demo_image(IMAGE_B, "bbbbbbbbbbbbbbbbbbbb")
@@ -127,7 +126,8 @@ def test_publish_tags_sbom_pull_back_and_no_layer_twice(reg, images_ab, docker_c
     # unchanged re-publish: every layer "already exists"; the registry starts no blob upload at all
     again = publish.publish(opts(reg, IMAGE_A))
     assert again.digest == first.digest and again.sbom["digest"] == first.sbom["digest"]
-    assert again.layers_pushed == 0 and again.bytes_pushed == 0 and again.layers_existing == first.layers_pushed + first.layers_existing
+    assert again.layers_pushed == 0 and again.bytes_pushed == 0
+    assert again.layers_existing == first.layers_pushed + first.layers_existing
     assert reg.uploads() - before == sent_first
     print(f"first push: {first.layers_pushed} layers, {first.bytes_pushed} B, {sent_first} uploads; "
           f"re-push: {again.layers_pushed} layers, {again.bytes_pushed} B, 0 uploads")
@@ -152,7 +152,8 @@ def test_publish_tags_sbom_pull_back_and_no_layer_twice(reg, images_ab, docker_c
 @pytest.mark.docker
 def test_tag_that_points_elsewhere_is_refused_without_force(reg, images_ab, docker_config):
     publish.publish(opts(reg, IMAGE_A, ns="moving"))
-    with pytest.raises(RegistryError, match=r"moving/dflash-train:cu130-sm120 already points to another image.*--force"):
+    with pytest.raises(RegistryError,
+                       match=r"moving/dflash-train:cu130-sm120 already points to another image.*--force"):
         publish.publish(opts(reg, IMAGE_B, ns="moving"))
     c = client(reg)
     a_id = c.manifest("moving/dflash-train", "cu130-sm120").config_digest
@@ -167,7 +168,8 @@ def test_wrong_password_missing_credentials_unknown_ca_unreachable(reg, images_a
     monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))  # empty: no config.json
     monkeypatch.setenv("DFLASH_REGISTRY_USER", reg.user)
     monkeypatch.setenv("DFLASH_REGISTRY_PASSWORD", "not-the-password")
-    with pytest.raises(RegistryError, match=rf"refused the credentials of '{reg.user}' from DFLASH_REGISTRY_USER.*docker login"):
+    with pytest.raises(RegistryError,
+                       match=rf"refused the credentials of '{reg.user}' from DFLASH_REGISTRY_USER.*docker login"):
         publish.publish(opts(reg, IMAGE_A))
     monkeypatch.delenv("DFLASH_REGISTRY_USER")
     with pytest.raises(RegistryError, match="asks for credentials and none were found"):
@@ -175,10 +177,9 @@ def test_wrong_password_missing_credentials_unknown_ca_unreachable(reg, images_a
     loopback_registry.remove_engine_trust(reg.host)  # the engine's copy would be trusted as a fallback
     with pytest.raises(RegistryError, match=r"not signed by a CA this machine trusts.*--ca-cert"):
         publish.publish(publish.PublishOptions(image=IMAGE_A, registry=f"{reg.host}/team", progress=False))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
-    with pytest.raises(RegistryError, match=rf"cannot reach the registry https://127.0.0.1:{closed}/v2/.*Connection refused"):
+    closed = free_port()
+    with pytest.raises(RegistryError,
+                       match=rf"cannot reach the registry https://127.0.0.1:{closed}/v2/.*Connection refused"):
         publish.publish(publish.PublishOptions(image=IMAGE_A, registry=f"127.0.0.1:{closed}/team", progress=False))
 
 
@@ -228,7 +229,8 @@ def test_real_image_publish_pull_back_run_its_doctor(reg, real_image, docker_con
 @pytest.fixture(scope="module")
 def pve_pull(reg, images_ab, tmp_path_factory):
     from images import lxc
-    from tests.support.pct_double import sshd
+    from loopback import sshd
+    from tests.support.pct_double import start_host
 
     for why in (sshd.available(), lxc.available()):
         if why:
@@ -246,7 +248,7 @@ def pve_pull(reg, images_ab, tmp_path_factory):
            "REGISTRY_AUTH_FILE": str(auth)}
     (base / "lxc").mkdir()
     (base / "lxc" / "pve-version").write_text("9.1.2\n")
-    server = sshd.start(base / "sshd", env)
+    server = start_host(base / "sshd", env)
     yield {"server": server, "base": base}
     for ct in (base / "lxc").iterdir():
         if ct.is_dir() and ct.name.isdigit():

@@ -8,9 +8,10 @@ import pytest
 
 from images import export, lxc, push
 from images.errors import HostError, PushError
+from loopback import sshd
 from tests.conftest import need_tools
-from tests.support.pct_double import sshd
-from tests.support.pct_double.demo_image import demo_image_or_skip
+from tests.support.demo_image import demo_image_or_skip
+from tests.support.pct_double import start_host
 from wheelbuilder import targets as tg
 from wheelbuilder.errors import FatalError
 
@@ -50,7 +51,7 @@ def pve(tmp_path_factory):
     env = {"PCT_DOUBLE_PYTHON": sys.executable, "PYTHONPATH": str(REPO), "PCT_DOUBLE_ROOT": str(base / "lxc"),
            "PCT_DOUBLE_CONF_DIR": str(base / "conf"), "PCT_DOUBLE_TEMPLATE_DIR": str(base / "cache")}
     (base / "lxc").mkdir()
-    server = sshd.start(base / "sshd", env)
+    server = start_host(base / "sshd", env)
     yield {"server": server, "base": base, "image": image, "out": tmp_path_factory.mktemp("dist")}
     for ct in (base / "lxc").iterdir():
         if ct.is_dir() and ct.name.isdigit():

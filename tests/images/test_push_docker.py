@@ -4,40 +4,20 @@ server on loopback, so the image really travels: save | zstd -> resumable upload
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from images import push_docker
 from images.errors import ExportError, PushError
+from loopback import engine, sshd
+from loopback.demo_image import labelled_demo_image
 from tests.conftest import need_tools
-from tests.support.pct_double import sshd
-from tests.support.pct_double.demo_image import demo_image_or_skip, labelled_demo_image
+from tests.support.demo_image import demo_image_or_skip
 
 pytestmark = [pytest.mark.docker, pytest.mark.ssh]
 
 IMAGE = "dflash-push-docker-demo:cu130-sm120"
-
-
-def start_engine(root: Path) -> tuple[subprocess.Popen, str]:
-    """A second dockerd (no bridge, own containerd) listening on ROOT/docker.sock."""
-    sock = root / "docker.sock"
-    log = open(root / "dockerd.log", "wb")
-    proc = subprocess.Popen(
-        ["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false", f"--data-root={root / 'data'}",
-         f"--exec-root={root / 'exec'}", f"--pidfile={root / 'dockerd.pid'}", f"--host=unix://{sock}",
-         "--containerd-namespace=dflash-test", "--containerd-plugins-namespace=dflash-test-plugins"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if subprocess.run(["docker", "-H", f"unix://{sock}", "version"], capture_output=True).returncode == 0:
-            return proc, f"unix://{sock}"
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    proc.kill()
-    pytest.fail(f"the second dockerd did not start: {(root / 'dockerd.log').read_text()[-1500:]}")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +33,7 @@ def far(tmp_path_factory):
     image = labelled_demo_image(IMAGE)
     root = Path("/tmp") / f"dflash-far-{os.getpid()}"  # short: unix socket paths are limited to 108 bytes
     root.mkdir(exist_ok=True)
-    proc, docker_host = start_engine(root)
+    proc, docker_host = engine.start(root, namespace="dflash-test")
     server = sshd.start(tmp_path_factory.mktemp("sshd"), {"DOCKER_HOST": docker_host})
     yield {"server": server, "docker_host": docker_host, "image": image, "out": tmp_path_factory.mktemp("dist"),
            "remote": str(tmp_path_factory.mktemp("remote"))}

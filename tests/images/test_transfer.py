@@ -13,7 +13,7 @@ import pytest
 
 from images import transfer
 from images.errors import HostKeyError, TransferError
-from tests.support.pct_double import sshd
+from loopback import sshd
 
 pytestmark = pytest.mark.ssh
 

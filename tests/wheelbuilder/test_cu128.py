@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from images import pin_file as pf
-from wheelbuilder import lock as lk
 from wheelbuilder import targets as tg
 from wheelbuilder.errors import ToolchainError
 

@@ -7,7 +7,6 @@ import ast
 import hashlib
 import os
 import tarfile
-from pathlib import Path
 
 import pytest
 

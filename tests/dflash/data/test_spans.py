@@ -1,5 +1,6 @@
 """dflash.spans: assistant spans located in the single full render, for templates that render earlier
-turns differently (tests/data/templates/*.jinja), each checked token by token against a hand-written mask.
+turns differently (tests/data/templates/*.jinja, and chat_templates/think_in_prompt.jinja, which bench_data
+renders too), each checked token by token against a hand-written mask.
 
 The expected masks below are written as the token sequence, one token per space, with the supervised
 tokens between ⟦ and ⟧; `\\n` is a newline token and `\\n\\n` the single token of two newlines (as in
@@ -15,7 +16,9 @@ from dflash.errors import ChatTemplateError
 from dflash.data.chat import Conversation, render, tools_of
 from dflash.data.spans import Unusable, assistant_char_spans, tokenize_conversation
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "templates"
+REPO = Path(__file__).resolve().parents[3]
+TEMPLATES = {p.stem: p for d in (REPO / "tests" / "data" / "templates", REPO / "chat_templates")
+             for p in sorted(d.glob("*.jinja"))}
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
             "<tool_response>", "</tool_response>"]
 
@@ -36,7 +39,7 @@ def chat_tokenizer(template: str, texts: list[str]):
     core.train_from_iterator(plain, trainers.WordLevelTrainer(special_tokens=["<unk>"] + SPECIALS))
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
                                    eos_token="<|im_end|>", additional_special_tokens=SPECIALS[1:],
-                                   chat_template=(TEMPLATES / f"{template}.jinja").read_text())
+                                   chat_template=TEMPLATES[template].read_text())
 
 
 def tokenizer_for(template: str, *conversations):
@@ -57,7 +60,7 @@ def marked(tokenizer, messages) -> str:
     """The conversation's tokens in the notation of the expected masks."""
     ids, mask = tokenize_conversation(tokenizer, messages, max_length=4096)
     out, inside = [], False
-    for token, m in zip(tokenizer.convert_ids_to_tokens(ids), mask):
+    for token, m in zip(tokenizer.convert_ids_to_tokens(ids), mask, strict=True):
         if m != inside:
             out.append("⟦" if m else "⟧")
             inside = bool(m)
@@ -154,7 +157,7 @@ def test_spans_are_character_exact():
 @pytest.mark.parametrize("template", ["no_generation_prompt", "no_end_marker"])
 def test_template_without_a_way_to_locate_turns_is_named(template):
     tok = tokenizer_for("think_after_last_query", TWO_TURNS)
-    tok.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    tok.chat_template = TEMPLATES[template].read_text()
     tok.name_or_path = f"org/{template}"
     with pytest.raises(ChatTemplateError, match=rf"chat template of org/{template} \(chat template sha256 "):
         tokenize_conversation(tok, TWO_TURNS, 4096)

@@ -1,6 +1,7 @@
 """A conversation's top-level `tools` reach the chat template wherever it is rendered (training tokens,
 regeneration prompts, the server request), so the drafter sees the tools block the target sees when it is
-served with tools. Checked with the Qwen3- and Qwen3.5-style templates of tests/data/templates."""
+served with tools. Checked with the Qwen3-style template of tests/data/templates and the Qwen3.5-style
+one of chat_templates."""
 
 from __future__ import annotations
 

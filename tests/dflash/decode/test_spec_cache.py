@@ -7,7 +7,6 @@ import torch
 
 from dflash.errors import DataError
 from dflash.decode.evaluate import evaluate, greedy_generate, speculative_generate, untrained_drafter
-from dflash.model.drafter import DrafterConfig
 from dflash.decode.proposers import DrafterContextCache
 from dflash.model.target import Target
 from dflash.decode.target_state import TargetCache

@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
     opts = dict(zip(argv[2::2], argv[3::2]))
     ref, name = opts.get("--reference"), opts.get("--filename")
     if not ref or not REFERENCE.match(ref):
-        die(f"400 Parameter verification failed.\nreference: value does not match the regex pattern")
+        die("400 Parameter verification failed.\nreference: value does not match the regex pattern")
     if storage != "local":
         die(f"storage '{storage}' is not configured for content-type 'vztmpl'")
     filename = normalize_content_filename(name or ref) + ".tar"

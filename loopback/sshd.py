@@ -1,21 +1,21 @@
-"""A real OpenSSH server on 127.0.0.1 with throwaway host and user keys, for the `ssh` test tier.
+"""A real OpenSSH server on 127.0.0.1 with throwaway host and user keys.
 
-The server runs as the current user (root here, which `pct` needs), accepts only the generated user key,
-and puts tests/support/pct_double/ first on the session PATH so `pct`, `pveversion` and `pvesm` resolve to the
-doubles."""
+The server runs as the current user (root for the tests and benchmarks that log in as root), accepts only
+the user key generated here, serves SFTP (internal-sftp), and sets `env` (PATH included) for every login."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DOUBLE_DIR = Path(__file__).resolve().parent
+from loopback.net import free_port, stop, wait_listening
+
+SSHD = "/usr/sbin/sshd"
+LOGIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # PATH of a login unless `env` sets one
 
 
 @dataclass
@@ -28,7 +28,7 @@ class LoopbackSshd:
     proc: subprocess.Popen
 
     def sessions(self) -> list[int]:
-        """Pids of the per-connection processes this sshd has forked (they serve the sessions and SFTP)."""
+        """Pids of the per-connection processes this sshd has forked (they serve the SSH sessions and SFTP)."""
         kids = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
@@ -40,8 +40,8 @@ class LoopbackSshd:
         return kids
 
     def drop_connections(self) -> list[int]:
-        """SIGKILL every session process: to a client, the connection closes mid-way (sshd restarted,
-        the host rebooted). Returns the pids it killed."""
+        """SIGKILL every per-connection process: to a client, the connection closes mid-way (sshd
+        restarted, the host rebooted). Returns the pids it killed."""
         killed = self.sessions()
         for pid in killed:
             try:
@@ -51,40 +51,30 @@ class LoopbackSshd:
         return killed
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop(self.proc)
 
 
 def available() -> str | None:
     """None when a loopback sshd can run here, else why not."""
-    if not shutil.which("sshd", path="/usr/sbin:" + os.environ.get("PATH", "")):
+    if not Path(SSHD).exists():
         return "sshd is not installed (apt-get install openssh-server)"
     if not shutil.which("ssh-keygen"):
         return "ssh-keygen is not installed (apt-get install openssh-client)"
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(workdir: Path, env: dict[str, str] | None = None) -> LoopbackSshd:
-    """Start sshd on a free loopback port; `env` becomes SetEnv lines of every session."""
+    """sshd on a free loopback port, accepting only a user key generated in `workdir`; `env` becomes SetEnv
+    lines of every login (PATH defaults to LOGIN_PATH)."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name in ("host_key", "user_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / name)], check=True)
     (workdir / "authorized_keys").write_text((workdir / "user_key.pub").read_text())
     os.chmod(workdir / "authorized_keys", 0o600)
     Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation directory sshd insists on
-    port = _free_port()
-    session_env = {"PATH": f"{DOUBLE_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                   **(env or {})}
-    setenv = " ".join(f'"{k}={v}"' for k, v in session_env.items())
+    port = free_port()
+    login_env = {"PATH": LOGIN_PATH, **(env or {})}
+    setenv = " ".join(f'"{k}={v}"' for k, v in login_env.items())
     (workdir / "sshd_config").write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {workdir}/host_key\n"
         f"AuthorizedKeysFile {workdir}/authorized_keys\nPidFile {workdir}/sshd.pid\n"
@@ -94,15 +84,9 @@ def start(workdir: Path, env: dict[str, str] | None = None) -> LoopbackSshd:
     )
     host_pub = (workdir / "host_key.pub").read_text().split()
     (workdir / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
-    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(workdir / "sshd_config")],
-                            stdout=open(workdir / "sshd.log", "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sshd exited: {(workdir / 'sshd.log').read_text()}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    log = workdir / "sshd.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(workdir / "sshd_config")], stdout=out,
+                                stderr=subprocess.STDOUT)
+    wait_listening(port, proc, log, "sshd", 10)
     return LoopbackSshd(port, "root@127.0.0.1", workdir / "user_key", workdir / "known_hosts", workdir, proc)

@@ -1,19 +1,19 @@
-"""A real OCI registry on 127.0.0.1 for the `registry` test tier: Debian's docker-registry (the
-distribution v2 server) with TLS from a CA made here and htpasswd (bcrypt) authentication."""
+"""A real OCI registry on 127.0.0.1: Debian's docker-registry (the distribution v2 server) with TLS from a
+CA made here and one htpasswd (bcrypt) user."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import secrets
 import shutil
-import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loopback.net import free_port, stop, wait_listening
+
 BINARY = "/usr/bin/docker-registry"
-USER, PASSWORD = "dflash", "s3cret-test-password"
 
 
 @dataclass
@@ -26,11 +26,7 @@ class LoopbackRegistry:
     proc: subprocess.Popen
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop(self.proc)
 
     def uploads(self) -> int:
         """Blob uploads the registry has started so far (POST .../blobs/uploads/ in its access log)."""
@@ -38,21 +34,24 @@ class LoopbackRegistry:
 
 
 def available() -> str | None:
+    """None when a loopback registry can run here, else why not."""
     if not Path(BINARY).exists():
         return "Debian's docker-registry is not installed (apt install docker-registry)"
     return None
 
 
 def make_ca(workdir: Path) -> tuple[Path, Path, Path]:
-    """(ca.crt, server.crt, server.key): a CA and a certificate for 127.0.0.1 signed by it."""
+    """(ca.crt, server.crt, server.key) in `workdir`: a CA and a certificate for 127.0.0.1 (and localhost)
+    signed by it, valid two days."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
+    issuer = "dflash loopback CA"
 
-    def cert(subject, issuer, key, signer, ca: bool, san=None):
+    def cert(subject, key, signer, ca: bool, san=None):
         b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
              .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
              .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -63,8 +62,8 @@ def make_ca(workdir: Path) -> tuple[Path, Path, Path]:
         return b.sign(signer, hashes.SHA256())
 
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = cert("dflash test CA", "dflash test CA", ca_key, ca_key, True)
-    server = cert("127.0.0.1", "dflash test CA", key, ca_key, False,
+    ca = cert(issuer, ca_key, ca_key, True)
+    server = cert("127.0.0.1", key, ca_key, False,
                   [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
     paths = workdir / "ca.crt", workdir / "server.crt", workdir / "server.key"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
@@ -74,39 +73,31 @@ def make_ca(workdir: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(workdir: Path) -> LoopbackRegistry:
+def start(workdir: Path, user: str = "dflash", password: str | None = None) -> LoopbackRegistry:
+    """docker-registry on a free loopback port: TLS from a CA made in `workdir`, one htpasswd (bcrypt) user
+    (`password` defaults to a random one)."""
     import bcrypt
 
+    why = available()
+    if why:
+        raise RuntimeError(why)
+    password = password or secrets.token_urlsafe(16)
     workdir.mkdir(parents=True, exist_ok=True)
     ca, crt, key = make_ca(workdir)
-    (workdir / "htpasswd").write_text(f"{USER}:{bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=5)).decode()}\n")
-    port = _free_port()
+    (workdir / "htpasswd").write_text(f"{user}:{bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=5)).decode()}\n")
+    port = free_port()
     (workdir / "config.yml").write_text(
         "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\n"
         f"storage:\n  filesystem:\n    rootdirectory: {workdir / 'data'}\n  delete:\n    enabled: true\n"
         f"http:\n  addr: 127.0.0.1:{port}\n  tls:\n    certificate: {crt}\n    key: {key}\n"
-        f"auth:\n  htpasswd:\n    realm: dflash-test\n    path: {workdir / 'htpasswd'}\n")
+        f"auth:\n  htpasswd:\n    realm: dflash-loopback\n    path: {workdir / 'htpasswd'}\n")
     log = workdir / "registry.log"
-    proc = subprocess.Popen([BINARY, "serve", str(workdir / "config.yml")], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"docker-registry exited: {log.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return LoopbackRegistry(f"127.0.0.1:{port}", ca, USER, PASSWORD, log, proc)
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("docker-registry did not listen within 15 s")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([BINARY, "serve", str(workdir / "config.yml")], stdout=out, stderr=subprocess.STDOUT)
+    wait_listening(port, proc, log, "docker-registry", 15)
+    return LoopbackRegistry(f"127.0.0.1:{port}", ca, user, password, log, proc)
 
 
 def remove_engine_trust(host: str) -> None:
+    """Forget the CA `publish` installed for this registry in the engine's trust (/etc/docker/certs.d)."""
     shutil.rmtree(Path("/etc/docker/certs.d") / host, ignore_errors=True)
