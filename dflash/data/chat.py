@@ -15,6 +15,11 @@ A record's top-level `tools` (the OpenAI function schemas the target was served 
 messages: a parsed conversation is a `Conversation`, a list of messages with a `tools` attribute, and
 every render passes them to the chat template, which lays them out as the system block the target saw
 ({"messages": [...], "tools": [...]} in the JSONL, written back the same way).
+
+Turns must come in the order a chat has them: system messages first, then a user message; never two
+user or two assistant messages in a row; a tool result only after an assistant message or another tool
+result. A conversation out of that order is a bad record (reason "roles_out_of_order": counted and
+skipped, or fatal with --on-bad-line stop), not trained on as if it were a chat.
 """
 
 from __future__ import annotations
@@ -37,6 +42,23 @@ _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model
 _MESSAGE_KEYS = ("messages", "conversations", "conversation")
 # Where servers and datasets put an assistant's reasoning (vLLM >= 0.11: reasoning; SGLang: reasoning_content).
 _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+# Bump when what parse_conversation accepts changes: it is part of the token cache's key (dflash.token_cache).
+CONVERSATION_RULES_VERSION = 2  # 2: roles out of order are refused
+
+
+class OutOfOrder(ValueError):
+    """A conversation whose roles are not in a chat's order; `reason` is the DataReport's key."""
+
+    reason = "roles_out_of_order"
+
+
+def bad_record_reason(exc: ValueError) -> str:
+    """The DataReport key of a record that parse_conversation (or json, or UTF-8 decoding) refused."""
+    if isinstance(exc, UnicodeDecodeError):
+        return "not_utf8"
+    if isinstance(exc, json.JSONDecodeError):
+        return "bad_json"
+    return getattr(exc, "reason", "bad_conversation")
 
 
 @dataclass
@@ -185,10 +207,34 @@ def parse_conversation(record) -> list[dict]:
     if not isinstance(record, list) or not record:
         raise ValueError("the conversation must be a non-empty list of messages")
     messages = [_message(i, message) for i, message in enumerate(record, start=1)]
+    check_turn_order(messages)
     if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) for m in messages):
         if messages[-1]["role"] not in ("user", "tool"):
             raise ValueError("no assistant message and no final user prompt to answer")
     return Conversation(messages, tools)
+
+
+def check_turn_order(messages: list[dict]) -> None:
+    """Raise OutOfOrder naming the first message out of a chat's order (see the module docstring)."""
+    roles = [m["role"] for m in messages]
+    first = next((i for i, role in enumerate(roles) if role != "system"), None)
+    if first is None:
+        return
+    if roles[first] != "user":
+        raise OutOfOrder(f"roles out of order: message {first + 1} is {roles[first]!r}, but a conversation starts "
+                         "with a user message (after any system message); add the user prompt it answers, or "
+                         "drop the conversation")
+    for i in range(first + 1, len(roles)):
+        role, before = roles[i], roles[i - 1]
+        if role == "system":
+            raise OutOfOrder(f"roles out of order: message {i + 1} is a system message after the conversation "
+                             "began; system messages go first")
+        if role in ("user", "assistant") and role == before:
+            raise OutOfOrder(f"roles out of order: messages {i} and {i + 1} are both {role!r}; merge them into one "
+                             f"message, or put the {'assistant' if role == 'user' else 'user'}'s turn between them")
+        if role == "tool" and before not in ("assistant", "tool"):
+            raise OutOfOrder(f"roles out of order: message {i + 1} is a tool result after a {before!r} message; a "
+                             "tool result follows the assistant message that called the tool")
 
 
 def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], DataReport]:
@@ -207,17 +253,16 @@ def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], Dat
     conversations = []
     with path.open("rb") as lines:
         for lineno, raw in enumerate(lines, start=1):
+            if lineno == 1:  # a UTF-8 BOM (Windows editors) is not part of the first conversation
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             if not raw.strip():
                 continue
             report.n_read += 1
-            if lineno == 1:  # a UTF-8 BOM (Windows editors) is not part of the first conversation
-                raw = raw.removeprefix(b"\xef\xbb\xbf")
             try:
                 conversations.append(parse_conversation(json.loads(raw.decode("utf-8"))))
                 report.n_kept += 1
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                reason = ("not_utf8" if isinstance(exc, UnicodeDecodeError) else
-                          "bad_json" if isinstance(exc, json.JSONDecodeError) else "bad_conversation")
+                reason = bad_record_reason(exc)
                 detail = f"{path}:{lineno}: {exc}"
                 if on_error == "stop":
                     raise DataError(f"{detail}; fix or delete that line, or skip bad lines (--on-bad-line skip, "

@@ -7,7 +7,11 @@ shards, or a dataset saved with `datasets` (`Dataset.save_to_disk`).
 Records stay raw JSON text here, so that rows of any shape survive (Arrow would unify the messages of
 all rows into one struct type); dflash.token_cache parses and tokenises them in parallel. A shard that
 cannot be read raises DataError naming it; a line that is not JSON or not UTF-8 becomes a record whose
-"error" says so (counted, or fatal with --on-bad-line stop).
+"error" says so (counted, or fatal with --on-bad-line stop). So does a record longer than
+`max_record_bytes(max_length)`: only its first --max-length tokens could be trained on, and tokenising a
+200 MB conversation exhausts the tokenizer's memory, so it is never read whole (a JSONL line is skipped
+in blocks). A UTF-8 byte order mark at the start of a file is not part of its first record. Data with no
+record at all is a DataError.
 """
 
 from __future__ import annotations
@@ -21,6 +25,32 @@ from dflash.data.chat import _MESSAGE_KEYS
 from dflash.errors import DataError
 
 SHARD_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+BOM = b"\xef\xbb\xbf"
+
+# The most bytes of record (its JSON text) per token of --max-length: 32 bytes per token is more than any
+# text needs (English takes about 4 in UTF-8, JSON-escaped CJK about 9), times 4. A longer record would give
+# at most its first --max-length tokens, and tokenising it whole can exhaust memory.
+RECORD_BYTES_PER_TOKEN = 128
+
+
+def max_record_bytes(max_length: int) -> int:
+    """The longest record (bytes of its JSON text) read for a run with this --max-length."""
+    return max(1, int(max_length)) * RECORD_BYTES_PER_TOKEN
+
+
+def too_long(n_bytes: int, max_length: int) -> str:
+    """The "error" of a record of `n_bytes` bytes beyond max_record_bytes(max_length)."""
+    return (f"too_long: the record is {n_bytes:,} bytes, more than {max_record_bytes(max_length):,} (--max-length "
+            f"{max_length} x {RECORD_BYTES_PER_TOKEN} bytes per token): training would keep only its first "
+            f"{max_length} tokens, and tokenising all of it can exhaust memory. Split it into shorter "
+            "conversations, or raise --max-length")
+
+
+def _text_bytes(text: str, limit: int) -> int:
+    """The UTF-8 size of `text`, computed only when its length in characters does not settle `limit`."""
+    if len(text) > limit or 4 * len(text) <= limit:
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True)
@@ -81,20 +111,58 @@ def _conversation_column(names, where) -> str:
     return column
 
 
-def _jsonl_records(shard: Path):
+def _lines(fh, limit: int):
+    """(line number, the line's bytes, or None when it is longer than `limit`, its size) of a binary file;
+    a longer line is skipped in blocks, never held whole."""
+    lineno = 0
+    while True:
+        raw = fh.readline(limit + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield lineno, raw, len(raw)
+            continue
+        size = len(raw)
+        while not raw.endswith(b"\n"):
+            raw = fh.readline(1 << 20)
+            if not raw:
+                break
+            size += len(raw)
+        yield lineno, None, size
+
+
+def _jsonl_records(shard: Path, max_length: int):
+    limit = max_record_bytes(max_length)
     with shard.open("rb") as lines:
-        for lineno, raw in enumerate(lines, start=1):
+        for lineno, raw, size in _lines(lines, limit + 2):  # + 2: room for the line's end, "\r\n"
+            where = f"{shard}:{lineno}"
+            if raw is None or len(raw.rstrip(b"\r\n")) > limit:
+                yield {"raw": "", "where": where, "error": too_long(len(raw.rstrip(b"\r\n")) if raw else size,
+                                                                    max_length)}
+                continue
+            if lineno == 1:  # a UTF-8 byte order mark (Windows editors) is not part of the first record
+                raw = raw.removeprefix(BOM)
             if not raw.strip():
                 continue
             try:
-                yield {"raw": raw.decode("utf-8"), "where": f"{shard}:{lineno}", "error": ""}
+                yield {"raw": raw.decode("utf-8"), "where": where, "error": ""}
             except UnicodeDecodeError as exc:
-                yield {"raw": "", "where": f"{shard}:{lineno}", "error": f"not_utf8: {exc}"}
+                yield {"raw": "", "where": where, "error": f"not_utf8: {exc}"}
 
 
-def _json_records(shard: Path):
+def _checked(raw: str, where: str, max_length: int) -> dict:
+    """A record read whole (a JSON or Parquet row): refused when longer than max_record_bytes(max_length)."""
+    limit = max_record_bytes(max_length)
+    size = _text_bytes(raw, limit)
+    if size > limit:
+        return {"raw": "", "where": where, "error": too_long(size, max_length)}
+    return {"raw": raw, "where": where, "error": ""}
+
+
+def _json_records(shard: Path, max_length: int):
     try:
-        data = json.loads(shard.read_bytes().decode("utf-8"))
+        data = json.loads(shard.read_bytes().decode("utf-8-sig"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{shard}: not a JSON document ({exc}); a .json shard holds one list of records "
                         "(use .jsonl for one record per line)") from None
@@ -104,10 +172,10 @@ def _json_records(shard: Path):
         raise DataError(f"{shard}: the JSON document is a {type(data).__name__}; it must be a list of "
                         'conversation records (or {"data": [...]})')
     for i, record in enumerate(data):
-        yield {"raw": json.dumps(record, ensure_ascii=False), "where": f"{shard}#{i}", "error": ""}
+        yield _checked(json.dumps(record, ensure_ascii=False), f"{shard}#{i}", max_length)
 
 
-def _parquet_records(shard: Path):
+def _parquet_records(shard: Path, max_length: int):
     import pyarrow.parquet as pq
 
     try:
@@ -118,8 +186,7 @@ def _parquet_records(shard: Path):
         for batch in file.iter_batches(columns=columns, batch_size=1024):
             for value in batch.to_pylist():
                 record = {"messages": value[column], **({"tools": value["tools"]} if "tools" in value else {})}
-                yield {"raw": json.dumps(record, ensure_ascii=False, default=str),
-                       "where": f"{shard}#{row}", "error": ""}
+                yield _checked(json.dumps(record, ensure_ascii=False, default=str), f"{shard}#{row}", max_length)
                 row += 1
     except DataError:
         raise
@@ -128,18 +195,19 @@ def _parquet_records(shard: Path):
                         "re-export it or remove it from the data") from None
 
 
-def _shard_records(shards: list[str]):
+def _shard_records(shards: list[str], max_length: int):
     readers = {"jsonl": _jsonl_records, "json": _json_records, "parquet": _parquet_records}
     for name in shards:
         shard = Path(name)
         try:
-            yield from readers[SHARD_KINDS[shard.suffix]](shard)
+            yield from readers[SHARD_KINDS[shard.suffix]](shard, max_length)
         except OSError as exc:
             raise DataError(f"{shard}: cannot be read ({exc}); fix or remove that shard") from None
 
 
-def read_records(source: Source, work_dir: Path, num_proc: int = 1):
-    """The records of `source` as a Dataset {"raw", "where", "error"}; Arrow files under `work_dir`."""
+def read_records(source: Source, work_dir: Path, num_proc: int = 1, max_length: int = 1 << 20):
+    """The records of `source` as a Dataset {"raw", "where", "error"}; Arrow files under `work_dir`. A
+    record longer than max_record_bytes(max_length) is kept as an error ("too_long"), without its text."""
     from datasets import Dataset, Features, Value, load_from_disk
 
     features = Features({"raw": Value("string"), "where": Value("string"), "error": Value("string")})
@@ -157,9 +225,9 @@ def read_records(source: Source, work_dir: Path, num_proc: int = 1):
         where = str(source.path)
         tools = "tools" in saved.column_names
         return saved.map(
-            lambda row, i: {"raw": json.dumps({"messages": row[column], **({"tools": row["tools"]} if tools else {})},
-                                              ensure_ascii=False, default=str),
-                            "where": f"{where}#{i}", "error": ""},
+            lambda row, i: _checked(
+                json.dumps({"messages": row[column], **({"tools": row["tools"]} if tools else {})},
+                           ensure_ascii=False, default=str), f"{where}#{i}", max_length),
             with_indices=True, remove_columns=saved.column_names, features=features,
             num_proc=num_proc if num_proc > 1 else None, desc="read", cache_file_name=str(work_dir / "read.arrow"),
             new_fingerprint=hashlib.sha256(where.encode()).hexdigest()[:16])
@@ -167,10 +235,16 @@ def read_records(source: Source, work_dir: Path, num_proc: int = 1):
 
     shards = [str(s) for s in source.shards]
     try:
-        return Dataset.from_generator(_shard_records, gen_kwargs={"shards": shards}, features=features,
-                                      cache_dir=str(work_dir / "read"), num_proc=min(num_proc, len(shards)) or None)
+        return Dataset.from_generator(_shard_records, gen_kwargs={"shards": shards, "max_length": max_length},
+                                      features=features, cache_dir=str(work_dir / "read"),
+                                      num_proc=min(num_proc, len(shards)) or None)
     except DatasetGenerationError as exc:  # datasets wraps what the reader raised
         cause = exc.__cause__
         while cause is not None and not isinstance(cause, DataError):
             cause = cause.__cause__ or cause.__context__
         raise (cause or exc) from None
+    except ValueError as exc:  # datasets: 'Instruction "train" corresponds to no data!'
+        if "no data" not in str(exc):
+            raise
+        raise DataError(f"{source.path} holds no record (its files are empty or blank); pass a chat JSONL with "
+                        'one {"messages": [...]} conversation per line, or JSON / Parquet holding them') from None

@@ -9,8 +9,12 @@ tokens a sample needs (2 x --block-size), SPAN_RULES_VERSION and the evaluation 
 second run with the same inputs starts training without tokenising anything, and a cache written by
 another tokenizer (another chat template included) is never reused: its key differs, it is rebuilt.
 
-A build writes into a temporary directory beside the final one and renames it when complete, so a
-crashed build leaves no half cache. Under torchrun, rank 0 builds (or finds) the cache while the other
+A build writes into a temporary directory beside the final one (".<key>.tmp-<host>-<pid>-<random>") and
+renames it when complete, so a crashed build leaves no half cache: an error, Ctrl-C or SIGTERM removes
+it on the way out, and one left by a process killed outright (SIGKILL, an abort, a power cut) is removed
+by the next build on the same host, once its process is gone. A record too long for --max-length
+(dflash.data.sources.max_record_bytes) is never tokenised: it is counted ("too_long"), or fatal with
+--on-bad-line stop. Under torchrun, rank 0 builds (or finds) the cache while the other
 ranks wait on a barrier (the process group's timeout: 30 min), then every rank reads the same files;
 the cache directory must therefore be visible to all ranks (shared storage across nodes).
 
@@ -28,7 +32,9 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections import Counter
@@ -37,8 +43,8 @@ from pathlib import Path
 import torch
 
 from dflash import distributed
-from dflash.data.chat import DataReport, parse_conversation
-from dflash.data.sources import content_fingerprint, find_source, read_records
+from dflash.data.chat import CONVERSATION_RULES_VERSION, DataReport, bad_record_reason, parse_conversation
+from dflash.data.sources import content_fingerprint, find_source, max_record_bytes, read_records
 from dflash.errors import DataError, TrainError
 from dflash.data.spans import SPAN_RULES_VERSION, Unusable
 
@@ -91,7 +97,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_inputs(config, tokenizer) -> dict:
     """Everything the tokenised data depends on (hashed into the key; written to record.json)."""
     inputs = {
-        "format": FORMAT, "span_rules": SPAN_RULES_VERSION,
+        "format": FORMAT, "span_rules": SPAN_RULES_VERSION, "conversation_rules": CONVERSATION_RULES_VERSION,
+        "max_record_bytes": max_record_bytes(config.model.max_length),
         "data": content_fingerprint(find_source(config.io.data)),
         "eval_data": content_fingerprint(find_source(config.watch.eval_data)) if config.watch.eval_data else None,
         "eval_fraction": config.watch.eval_fraction, "seed": config.optim.seed if config.watch.eval_fraction else None,
@@ -141,7 +148,7 @@ def _tokenize_batch(batch, *, tokenizer, max_length: int, min_supervised: int, s
         try:
             messages = parse_conversation(json.loads(raw))
         except ValueError as exc:
-            reason = "bad_json" if isinstance(exc, json.JSONDecodeError) else "bad_conversation"
+            reason = bad_record_reason(exc)
             if stop_on_bad:
                 raise DataError(f"{where}: {exc}; fix or delete that record, or pass --on-bad-line skip") from None
             dropped(reason, f"{where}: {exc}")
@@ -179,7 +186,7 @@ def tokenize_source(path, tokenizer, *, max_length: int, min_supervised: int, wo
 def _tokenize_source(source, tokenizer, *, max_length, min_supervised, work_dir, num_proc, on_bad_line):
     from datasets import Features, Sequence, Value
 
-    records = read_records(source, work_dir, num_proc=max(1, num_proc))
+    records = read_records(source, work_dir, num_proc=max(1, num_proc), max_length=max_length)
     procs = default_num_proc(len(records), num_proc)
     features = Features({"input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
                          "length": Value("int32"), "drop": Value("string"), "detail": Value("string")})
@@ -205,10 +212,45 @@ def _first_drops(drops: list[str], n: int) -> list[int]:
     return [i for i, d in enumerate(drops) if d][:n]
 
 
+_STALE = re.compile(r"\.(?P<key>[0-9a-f]+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]+")
+
+
+def _build_prefix(final: Path) -> str:
+    """The name a build's temporary directory starts with: the key, this host and this process."""
+    return f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_builds(root: Path) -> list[Path]:
+    """Remove the temporary build directories in `root` that a process of this host left when it was killed
+    (its pid is gone, or is this process: a restarted container reuses pids); returns them. Builds of other
+    hosts (shared storage) are left alone: whether they still run cannot be told from here."""
+    host, removed = socket.gethostname(), []
+    for path in root.glob(".*.tmp-*") if root.is_dir() else []:
+        m = _STALE.fullmatch(path.name)
+        if not m or m["host"] != host or not path.is_dir():
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def build(config, tokenizer, final: Path, inputs: dict) -> None:
-    """Tokenise --data (and the eval split) into `final`, via a temporary directory renamed at the end."""
+    """Tokenise --data (and the eval split) into `final`, via a temporary directory renamed at the end
+    (removed on any error, Ctrl-C or SIGTERM; after a kill, by the next build: remove_stale_builds)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_build_prefix(final), dir=final.parent))
     try:
         kw = dict(max_length=config.model.max_length, min_supervised=2 * config.model.block_size,
                   num_proc=config.io.num_proc, on_bad_line=config.io.on_bad_line, progress=config.runtime.progress)
@@ -281,6 +323,8 @@ def load_tokenized(config, tokenizer) -> TokenizedItems:
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
     final = cache_root(config) / key
     if d.is_main:
+        for stale in remove_stale_builds(final.parent):
+            log.warning("removed %s: a partial tokenised cache left by a run that was killed", stale)
         if (final / "record.json").is_file():
             log.info("tokenised data from the cache %s", final)
         else:

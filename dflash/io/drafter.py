@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,41 +139,91 @@ def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.
 # --- reading: the config -------------------------------------------------------------------------------
 def read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DrafterError(f"{path} is not valid JSON ({exc}); restore the config.json that came with the drafter"
-                           ) from None
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; a too deep nest
+        raise DrafterError(f"{path} is not valid JSON ({type(exc).__name__}: {exc}); restore the config.json that "
+                           "came with the drafter") from None
+    except OSError as exc:
+        raise DrafterError(f"{path} cannot be read ({exc}); fix its permissions or copy the drafter again") from None
     if not isinstance(data, dict):
         raise DrafterError(f"{path} holds a {type(data).__name__}, not a JSON object")
     return data
 
 
+def _int(value, key: str, where: Path, minimum: int | None = None) -> int:
+    """`value` of config key `key` as an int (a JSON integer, an integral float or a numeric string), at least
+    `minimum`; anything else is a DrafterError naming the key."""
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            pass
+    if number is None or (minimum is not None and number < minimum):
+        need = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise DrafterError(f"{where}: {key} is {value!r}; it must be {need}")
+    return number
+
+
+def _float(value, key: str, where: Path) -> float:
+    if not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            pass
+        else:
+            if math.isfinite(number):
+                return number
+    raise DrafterError(f"{where}: {key} is {value!r}; it must be a finite number")
+
+
+def _int_list(value, key: str, where: Path) -> list[int]:
+    if not isinstance(value, list):
+        raise DrafterError(f"{where}: {key} is {value!r}; it must be a list of integers, e.g. [1, 9, 17]")
+    return [_int(v, key, where) for v in value]
+
+
+def _mapping(value, key: str, where: Path) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DrafterError(f"{where}: {key} is {value!r}; it must be a JSON object (or null)")
+    return value
+
+
 def _rope_theta(data: dict, where: Path) -> float:
-    rope = data.get("rope_parameters") or {}
-    scaling = data.get("rope_scaling") or {}
+    rope = _mapping(data.get("rope_parameters"), "rope_parameters", where)
+    scaling = _mapping(data.get("rope_scaling"), "rope_scaling", where)
     for name, params in (("rope_parameters", rope), ("rope_scaling", scaling)):
         kind = params.get("rope_type", params.get("type", "default"))
         if kind != "default":
             raise DrafterError(f"{where}: {name} has rope_type {kind!r}; this project's drafter implements plain "
                                "RoPE only (rope_type 'default', as every published DFlash drafter uses)")
     # vLLM falls back to 1e6 (set_default_rope_theta); the key is present in every published config.
-    return float(rope.get("rope_theta", data.get("rope_theta", 1_000_000.0)))
+    return _float(rope.get("rope_theta", data.get("rope_theta", 1_000_000.0)), "rope_theta", where)
 
 
 def _layer_types(data: dict, n_layers: int, where: Path) -> tuple[list[str], int | None]:
     window = data.get("sliding_window")
     if "layer_types" in data and data["layer_types"] is not None:
-        types = list(data["layer_types"])
+        types = data["layer_types"]
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise DrafterError(f"{where}: layer_types is {types!r}; it must be a list naming each layer's attention, "
+                               f"each one of {list(LAYER_TYPES)}")
     else:  # Qwen3Config's own default: sliding from max_window_layers on, when a window is in use
         in_use = bool(data.get("use_sliding_window")) and window is not None
-        start = int(data.get("max_window_layers", n_layers))
+        start = _int(data.get("max_window_layers", n_layers), "max_window_layers", where)
         types = [SLIDING if in_use and i >= start else FULL for i in range(n_layers)]
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown:
         raise DrafterError(f"{where}: layer_types has {unknown}; a DFlash drafter layer is one of {list(LAYER_TYPES)}")
     if SLIDING not in types:
         return types, None
-    if not data.get("use_sliding_window") or not isinstance(window, int) or window < 1:
+    if not data.get("use_sliding_window") or not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise DrafterError(
             f"{where}: layer_types has sliding_attention layers but use_sliding_window is "
             f"{data.get('use_sliding_window')!r} and sliding_window {window!r}. transformers' Qwen3Config drops the "
@@ -193,10 +244,12 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
             f"{where} has model_type {data.get('model_type')!r}; a DFlash drafter in the reference layout has "
             f"\"model_type\": \"{MODEL_TYPE}\" and \"architectures\": [\"{ARCHITECTURE}\"]. Pass the drafter's "
             "directory, not the target's")
-    if ARCHITECTURE not in (data.get("architectures") or []):
+    architectures = data.get("architectures")
+    if not isinstance(architectures, list) or ARCHITECTURE not in architectures:
+        named = ", ".join(map(str, architectures)) if isinstance(architectures, list) else repr(architectures)
         raise DrafterError(
-            f"{where} has architectures {data.get('architectures')!r}, not [\"{ARCHITECTURE}\"]: vLLM picks the "
-            f"drafter model by this name, and other DFlash variants ({', '.join(data.get('architectures') or [])}) "
+            f"{where} has architectures {architectures!r}, not [\"{ARCHITECTURE}\"]: vLLM picks the "
+            f"drafter model by this name, and other DFlash variants ({named}) "
             "compute something else. This project reads DFlashDraftModel drafters only")
     dflash = data.get("dflash_config")
     if not isinstance(dflash, dict):
@@ -215,28 +268,36 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
         raise DrafterError(f"{where} uses {'; '.join(unsupported)}. This project's drafter does not implement "
                            "that, so it would compute other outputs than the engines do; it reads DFlashDraftModel "
                            f"drafters with dflash_config keys {sorted(DFLASH_KEYS)} and the Qwen3 keys only")
-    ids = [int(i) for i in dflash["target_layer_ids"]]
+    ids = _int_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids", where)
     eagle_ids = data.get("eagle_aux_hidden_state_layer_ids")
-    if eagle_ids is not None and [int(i) for i in eagle_ids] != [i + 1 for i in ids]:
+    eagle = "eagle_aux_hidden_state_layer_ids"
+    if eagle_ids is not None and _int_list(eagle_ids, eagle, where) != [i + 1 for i in ids]:
         # vLLM eagle3_utils.py prefers this key as-is over dflash_config.target_layer_ids (+1).
         raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids {eagle_ids} disagrees with target_layer_ids "
                            f"{ids} (vLLM would tap {eagle_ids}, this project {[i + 1 for i in ids]}); remove the key")
-    n_layers = int(data["num_hidden_layers"])
-    heads = int(data["num_attention_heads"])
+
+    def size(key: str, value=None, minimum: int = 1) -> int:
+        return _int(data[key] if value is None else value, key, where, minimum)
+
+    n_layers = size("num_hidden_layers")
+    heads = size("num_attention_heads")
+    hidden = size("hidden_size")
     layer_types, window = _layer_types(data, n_layers, where)
     try:
         return DrafterConfig(
-            hidden_size=int(data["hidden_size"]), num_hidden_layers=n_layers, num_attention_heads=heads,
-            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-            intermediate_size=int(data["intermediate_size"]), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads,
+            num_key_value_heads=size("num_key_value_heads", data.get("num_key_value_heads") or heads),
+            head_dim=size("head_dim", data.get("head_dim") or max(1, hidden // heads)),
+            intermediate_size=size("intermediate_size"),
+            rms_norm_eps=_float(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
             rope_theta=_rope_theta(data, where),
-            max_position_embeddings=int(data.get("max_position_embeddings") or 40960),
-            vocab_size=int(data["vocab_size"]), block_size=int(data.get("block_size", dflash.get("block_size"))),
-            num_target_layers=int(data.get("num_target_layers", dflash.get("num_target_layers"))),
-            target_layer_ids=ids, mask_token_id=int(dflash["mask_token_id"]),
+            max_position_embeddings=size("max_position_embeddings", data.get("max_position_embeddings") or 40960),
+            vocab_size=size("vocab_size"),
+            block_size=size("block_size", data.get("block_size", dflash.get("block_size"))),
+            num_target_layers=size("num_target_layers", data.get("num_target_layers", dflash.get("num_target_layers"))),
+            target_layer_ids=ids, mask_token_id=_int(dflash["mask_token_id"], "dflash_config.mask_token_id", where),
             layer_types=layer_types, sliding_window=window,
-            initializer_range=float(data.get("initializer_range", 0.02)),
+            initializer_range=_float(data.get("initializer_range", 0.02), "initializer_range", where),
             target_fingerprint=str(data.get("target_fingerprint") or ""),
         )
     except ValueError as exc:
@@ -352,14 +413,12 @@ class TargetShape:
 def target_shape(path) -> TargetShape:
     """TargetShape of the HF model directory (or Hub model id: dflash.target.resolve_target) `path`,
     from its config.json alone."""
-    from transformers import AutoConfig
-
-    from dflash.model.target import resolve_target
+    from dflash.model.target import read_target_config, resolve_target
 
     path = resolve_target(path)
     if not (path / CONFIG_NAME).is_file():
         raise DrafterError(f"{path} is not a model directory (no {CONFIG_NAME}); pass the target's local directory")
-    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    text = read_target_config(path).get_text_config()
     return TargetShape(int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size),
                        int(getattr(text, "max_position_embeddings", None) or 40960))
 

@@ -230,6 +230,59 @@ def resolve_target(name) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------
+# The target's files, read before its weights
+# --------------------------------------------------------------------------------------------------
+def read_target_config(path):
+    """The target's config (transformers' AutoConfig) of the model directory `path`, with config.json
+    checked first: missing, not JSON, not an object, or without "model_type" is a TargetError naming the
+    file and the fix (transformers would raise a bare ValueError or OSError from deep inside)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    file = path / "config.json"
+    if not file.is_file():
+        raise TargetError(f"{path} is not a model directory (no config.json); pass the local directory "
+                          "that holds config.json, the weights and the tokenizer files")
+    try:
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TargetError(f"{file} is not valid JSON ({type(exc).__name__}: {exc}); the target directory is "
+                          "damaged or was copied incompletely: copy or download the model again "
+                          "(huggingface-cli download ORG/NAME --local-dir DIR)") from None
+    if not isinstance(data, dict):
+        raise TargetError(f"{file} holds a JSON {type(data).__name__}, not an object of model settings; copy "
+                          "or download the model's config.json again")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise TargetError(f"{file} has no \"model_type\" (it is {model_type!r}), so transformers cannot tell "
+                          "which architecture to build; restore the config.json that came with the model, or add "
+                          "the key it lacks (e.g. \"model_type\": \"qwen3\" for Qwen3, \"qwen3_5\" for Qwen3.5)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # ValueError, OSError, TypeError, huggingface_hub's StrictDataclassError, ...
+        import transformers
+
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetError(f"{file} (model_type {model_type!r}) cannot be read by transformers "
+                          f"{transformers.__version__}: {first}. If the model is newer than this transformers, "
+                          "upgrade it; otherwise restore the model's config.json") from None
+
+
+def load_target_tokenizer(path):
+    """The target's tokenizer from the local directory `path`; a damaged or missing tokenizer is a
+    TargetError naming the directory."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetError(f"the tokenizer of {path} cannot be loaded ({type(exc).__name__}: {first}); the target "
+                          "directory needs the model's tokenizer files (tokenizer.json, tokenizer_config.json): "
+                          "copy or download them again") from None
+
+
+# --------------------------------------------------------------------------------------------------
 # The target
 # --------------------------------------------------------------------------------------------------
 def _resolve_mask_token(tokenizer, model_type: str, vocab_rows: int, mask_token) -> int:
@@ -252,9 +305,10 @@ def _resolve_mask_token(tokenizer, model_type: str, vocab_rows: int, mask_token)
     else:
         raise TargetError(
             "the target's tokenizer has no mask token (tokenizer.mask_token is None); DFlash blocks are "
-            "[anchor, MASK x (block_size-1)]. Pass mask_token='<|MASK|>' (a token already in the vocab) "
-            "or mask_token=<id>, or add one: tok.add_special_tokens({'mask_token': '<|MASK|>'}); "
-            "model.resize_token_embeddings(len(tok)); save both back to the target directory"
+            "[anchor, MASK x (block_size-1)]. Name a token already in its vocabulary with --mask-token "
+            "(e.g. --mask-token '<|MASK|>'; in Python: mask_token='<|MASK|>' or an id), or add one to the "
+            "target: tok.add_special_tokens({'mask_token': '<|MASK|>'}); model.resize_token_embeddings(len(tok)); "
+            "save both back to the target directory"
         )
     if not 0 <= token_id < vocab_rows:
         raise TargetError(
@@ -289,13 +343,11 @@ class Target:
     @classmethod
     def load(cls, path, *, device="cpu", dtype=torch.float32, layer_ids=None, mask_token=None) -> "Target":
         """Load model + tokenizer from a local HF directory or a Hub model id (see `resolve_target`)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         path = resolve_target(path)
-        if not (path / "config.json").is_file():
-            raise TargetError(f"{path} is not a model directory (no config.json); pass the local directory "
-                              "that holds config.json, the weights and the tokenizer files")
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        read_target_config(path)  # a damaged config.json fails here, before any weight is read
+        tokenizer = load_target_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         return cls(model.to(device), tokenizer, layer_ids=layer_ids, mask_token=mask_token)
 

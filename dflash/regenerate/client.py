@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import socket
 import threading
 import urllib.error
 import urllib.parse
@@ -20,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from http.client import HTTPException
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, ServerError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,33 @@ class ChatClient:
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         with urllib.request.urlopen(request, timeout=self.timeout) as response:
             return json.loads(response.read())
+
+    def check_reachable(self, timeout: float = 10.0) -> None:
+        """Fail fast, before any work, when nothing can answer at the server's address: the connection is
+        refused (no server listens on that port) or the host name does not resolve. A ServerError names the
+        URL and the fix. Any HTTP answer, an error status included, means a server is there; a time-out is
+        left to the retries of each request (a busy server may answer later)."""
+        models = self.url.removesuffix("/chat/completions") + "/models"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(models, headers=headers, method="GET")
+        try:
+            with urllib.request.urlopen(request, timeout=min(timeout, self.timeout)):
+                return
+        except urllib.error.HTTPError:
+            return
+        except urllib.error.URLError as exc:
+            cause = exc.reason
+        except (HTTPException, OSError):
+            return
+        where = urllib.parse.urlsplit(self.url)
+        if isinstance(cause, ConnectionRefusedError):
+            raise ServerError(f"nothing listens at {where.scheme}://{where.netloc} (connection refused, for "
+                              f"{self.url}); start the server there (e.g. vllm serve MODEL --port "
+                              f"{where.port or 80}), or pass the --endpoint it listens on. No request was sent "
+                              "and no output was written.") from None
+        if isinstance(cause, socket.gaierror):
+            raise ServerError(f"the host of --endpoint {self.url} does not resolve ({cause}); check the host name "
+                              "in --endpoint. No request was sent and no output was written.") from None
 
     def complete(self, messages: list[dict]) -> tuple[Reply, int]:
         """The server's next assistant message after `messages`, and the attempts it took."""

@@ -1,5 +1,7 @@
 """Regeneration through an OpenAI-compatible inference server (vLLM, SGLang): the path for real data sets.
 
+    is a server there? (ChatClient.check_reachable: connection refused or an unknown host fails at once,
+      before --out is created)
     chat.jsonl --read_conversations--> (key, messages) --skip keys already in out (--resume)-->
       ThreadPoolExecutor, --concurrency conversations at once, each answering its turns in order:
         ChatClient.complete (dflash/regenerate/client.py): POST {endpoint}/v1/chat/completions,
@@ -15,7 +17,8 @@ read. Earlier turns are sent without it (the Qwen templates drop it from history
 
 A conversation's key is its record's `id`, else a hash of its non-assistant messages (the prompts); a
 duplicate hash gets a `~N` suffix so identical prompts are all answered. The output is always valid
-JSONL: lines are written whole, and a torn last line (a kill mid-write) is cut off by `--resume`.
+JSONL: lines are written whole, and a torn last line (a kill mid-write) is cut off by `--resume`. A run
+that writes no conversation leaves no --out it created (an empty file would look like a result).
 Lines come in completion order, not input order.
 """
 
@@ -33,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.chat import Conversation, DataReport, jsonl_record, parse_conversation, tools_of
+from dflash.data.chat import Conversation, DataReport, bad_record_reason, jsonl_record, parse_conversation, tools_of
 from dflash.errors import ConfigError, DataError, ServerError
 from dflash.regenerate.local import reply_slots
 from dflash.regenerate.client import ChatClient, RequestFailed, Stopped
@@ -81,6 +84,8 @@ def read_conversations(path, on_error: str = "skip") -> tuple[list[Item], DataRe
     report, items, seen, hashes = DataReport(source=str(path)), [], {}, Counter()
     with path.open("rb") as lines:
         for lineno, raw in enumerate(lines, start=1):
+            if lineno == 1:  # a UTF-8 BOM (Windows editors) is not part of the first conversation
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             if not raw.strip():
                 continue
             report.n_read += 1
@@ -91,7 +96,7 @@ def read_conversations(path, on_error: str = "skip") -> tuple[list[Item], DataRe
                 detail = f"{path}:{lineno}: {exc}"
                 if on_error == "stop":
                     raise DataError(f"{detail}; fix or delete that line, or pass --on-bad-line skip") from None
-                report.skip("bad_json" if isinstance(exc, json.JSONDecodeError) else "bad_conversation", detail)
+                report.skip(bad_record_reason(exc), detail)
                 continue
             if isinstance(record, dict) and record.get("id") is not None:
                 key = str(record["id"])
@@ -240,10 +245,12 @@ def regenerate_via_server(client: ChatClient, data, out, *, concurrency: int = 3
     if out.exists() and not resume:
         raise ConfigError(f"{out} exists; pass --resume to add only the conversations it lacks, or pick "
                           "another --out.")
+    client.check_reachable()  # no server at all: one clear error now, not every request retried
     items, report = read_conversations(data, on_bad_line)
     summary = RunSummary(out=out, total=len(items))
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = JsonlAppender(out, lock=True)  # created here, so a run that stops at once still leaves a file
+    created = not out.exists()
+    writer = JsonlAppender(out, lock=True)
     errors_file = errors_path(out)
     errors_file.unlink(missing_ok=True)  # this run's failures only: the earlier ones are retried now
     errors = None
@@ -298,6 +305,8 @@ def regenerate_via_server(client: ChatClient, data, out, *, concurrency: int = 3
         writer.close()
         if errors is not None:
             errors.close()
+        if created and not summary.written:  # an empty file would only look like a result
+            out.unlink(missing_ok=True)
     return summary
 
 

@@ -1,9 +1,14 @@
 """Checks that cost seconds, run before the target's weights load (minutes on a large target).
 
-From the file system, the target's config.json and its tokenizer alone: the --data / --eval-data files
-exist, --target-layer-ids are layers of the target, the mask token resolves, and both are ones vLLM and
-SGLang serve (dflash.io.engines: not the last layer; the tokenizer's <|MASK|>). Each failure is the same
-error, with the same message, that the full load would give later.
+From the file system, the target's config.json and its tokenizer alone:
+- the --data / --eval-data paths exist, are data the loader reads (a file of a known format, a directory
+  holding shards, a saved dataset) and hold at least one record (not only empty files);
+- the target's config.json is valid JSON with a model_type that transformers knows; --target-layer-ids
+  are layers of the target; the mask token resolves, and both are ones vLLM and SGLang serve
+  (dflash.io.engines: not the last layer; the tokenizer's <|MASK|>);
+- with --resume: the checkpoint to continue from is there and readable (its drafter's header and its
+  trainer state, read without their tensor data).
+Each failure is the same error, with the same message, that the full load would give later.
 """
 
 from __future__ import annotations
@@ -11,14 +16,61 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash.config import TrainConfig
-from dflash.errors import DataError
+from dflash.errors import CheckpointError, DataError, DflashError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+_BLANK = b" \t\r\n\f\v"
+_BOM = b"\xef\xbb\xbf"
+
+
+def _has_content(path: Path) -> bool:
+    """True when the file holds a byte other than whitespace (a UTF-8 BOM at its start does not count).
+    Reads only up to the first such byte: one block for any real data file."""
+    with path.open("rb") as fh:
+        first = True
+        for block in iter(lambda: fh.read(1 << 16), b""):
+            if first:
+                block, first = block.removeprefix(_BOM), False
+            if block.strip(_BLANK):
+                return True
+    return False
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """Rows of a Parquet file from its footer, or None when the footer cannot be read (the loader then
+    names the damage)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(path).num_rows
+    except Exception:  # a damaged file: left to the reader, whose message names it
+        return None
+
+
+def check_data_source(flag: str, value) -> None:
+    """`value` of --data/--eval-data: readable as data (dflash.data.sources.find_source) and not empty."""
+    from dflash.data.sources import find_source
+
+    source = find_source(value)
+    if source.kind != "shards":
+        return
+    try:
+        empty = [shard for shard in source.shards
+                 if (shard.suffix == ".parquet" and _parquet_rows(shard) == 0)
+                 or (shard.suffix != ".parquet" and not _has_content(shard))]
+    except OSError as exc:
+        raise DataError(f"{flag} {value}: cannot be read ({exc}); fix its permissions or point {flag} "
+                        "elsewhere") from None
+    if len(empty) == len(source.shards):
+        what = "is empty" if source.shards == (source.path,) else f"holds only empty files ({len(empty)})"
+        raise DataError(f"{flag} {value} {what}: no conversation to train on. Pass a chat JSONL with one "
+                        '{"messages": [...]} conversation per line (or JSON, Parquet, a directory of them)')
 
 
 def check_data_paths(config: TrainConfig) -> None:
-    """A --data or --eval-data that is plainly a local file path must exist (names resolved by the data
-    loader, such as saved datasets, are left to it)."""
+    """A --data or --eval-data that is plainly a local file path must exist; every one that exists must be
+    data the loader reads and hold a record (names resolved by the data loader, such as saved datasets,
+    are left to it)."""
     for flag, value in (("--data", config.io.data), ("--eval-data", config.watch.eval_data)):
         if not value:
             continue
@@ -27,27 +79,89 @@ def check_data_paths(config: TrainConfig) -> None:
         if looks_local and not path.exists():
             raise DataError(f"{flag} {value}: no such file or directory; pass a JSONL/JSON/Parquet file, a "
                             "directory of them, or a saved dataset")
+        if path.exists():
+            check_data_source(flag, path)
 
 
 def check_target_cheaply(config: TrainConfig) -> None:
-    """--target-layer-ids and the mask token against the target's config.json and tokenizer; skipped
-    when --target is not a local model directory (the loader says why) or --init-drafter decides both."""
+    """The target's config.json, --target-layer-ids and the mask token against the target's config.json and
+    tokenizer; skipped when --target is not a local model directory (the loader says why) or --init-drafter
+    decides both."""
     if not config.io.target or config.model.init_drafter:
         return
     path = Path(config.io.target)
     if not (path / "config.json").is_file():
         return
-    from transformers import AutoConfig, AutoTokenizer
-
     from dflash.io.engines import check_servable
-    from dflash.model.target import _resolve_mask_token, check_layer_ids
+    from dflash.model.target import _resolve_mask_token, check_layer_ids, load_target_tokenizer, read_target_config
 
-    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
+    text = read_target_config(path).get_text_config()
     if config.model.target_layer_ids is not None:
         check_layer_ids(config.model.target_layer_ids, int(text.num_hidden_layers))
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_target_tokenizer(path)
     mask_id = _resolve_mask_token(tokenizer, text.model_type, int(text.vocab_size), config.model.mask_token)
     check_servable(config.model.target_layer_ids or [], int(text.num_hidden_layers), tokenizer, mask_id)
+
+
+def _load_error(exc: Exception) -> str:
+    """What torch.load's error says, without its advice to load with weights_only=False (never the fix for
+    a damaged file: it would execute whatever the file's pickle holds)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    line = line.split(". ")[0].split("Please ")[0].strip().rstrip(".")  # what was found, not torch's advice
+    if len(line) > 120:
+        line = line[:117] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def _damaged(checkpoint: Path, what: Path, reason: str) -> CheckpointError:
+    from dflash.train.checkpoint import STATE_FILE
+
+    root = checkpoint.parent
+    earlier = sorted(p.name for p in root.glob("step-*") if p.name < checkpoint.name and (p / STATE_FILE).is_file())
+    if earlier:
+        fix = (f"Resume from the previous checkpoint: echo {earlier[-1]} > {root / 'latest'}, then run again with "
+               "--resume; or start over without --resume (in another --out, or after removing this one)")
+    else:
+        fix = ("There is no earlier checkpoint to resume from: start over without --resume (in another --out, or "
+               "after removing this one)")
+    return CheckpointError(f"{what} is damaged ({reason}), so checkpoint {checkpoint.name} cannot be resumed. {fix}.")
+
+
+def check_resume_checkpoint(config: TrainConfig) -> None:
+    """With --resume: the checkpoint `latest` names exists, its drafter's config and tensor headers read, and
+    its trainer state unpickles (tensors memory-mapped, not read): a damaged file is named before the target
+    loads, with the way out."""
+    if not config.io.resume:
+        return
+    import zipfile
+
+    import torch
+
+    from dflash.io.drafter import read_drafter_config
+    from dflash.train.checkpoint import STATE_FILE, latest_checkpoint
+    from dflash.train.rundir import RunDir
+
+    root = RunDir(config.io.out).checkpoints
+    last = latest_checkpoint(root)
+    if last is None:
+        raise CheckpointError(f"--resume: no checkpoint in {root}. Drop --resume to start a new run there.")
+    try:
+        read_drafter_config(last / "drafter")
+    except DflashError as exc:
+        raise _damaged(last, last / "drafter", str(exc)) from None
+    state = last / STATE_FILE
+    if not zipfile.is_zipfile(state):
+        raise _damaged(last, state, "not a complete file as torch.save writes it: its zip index is missing, so it "
+                                    "was cut short or overwritten")
+    try:
+        loaded = torch.load(state, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError from the zip reader, EOFError, ...
+        raise _damaged(last, state, f"its contents do not load: {_load_error(exc)}") from None
+    if not isinstance(loaded, dict) or not {"optimizer", "scheduler", "rng", "step"} <= loaded.keys():
+        raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
 
 
 def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True) -> None:
@@ -55,3 +169,4 @@ def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool
         check_data_paths(config)
     if target:
         check_target_cheaply(config)
+    check_resume_checkpoint(config)

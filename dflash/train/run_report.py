@@ -11,36 +11,124 @@
 The trainer writes it at the end of every run (rank 0); `dflash report` writes it again at any time,
 also while the run goes on. A step recorded twice (a run resumed from an earlier checkpoint) counts
 with its last record. Plots use matplotlib's Agg backend: no display needed.
+
+metrics.jsonl is read leniently, since the run may still be writing it: a last line cut short is left
+out silently. Anything else the report cannot use (a line that is not a JSON object, a step that is not a
+whole number, a value of the wrong type such as "loss": "abc") is left out of the report and named,
+line by line, in a warning and in report.md; the rest of the file still counts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DflashError
 from dflash.train.rundir import RunDir
 
+log = logging.getLogger("dflash.train")
+
 PLOTS = ("loss", "acceptance", "tau", "throughput")
+# The fields of a metrics record the report reads: each a number, or a list of numbers.
+NUMBER_FIELDS = ("loss", "acc", "tau_est", "tau", "tau_replay", "tokens_per_s", "mfu", "gpu_mem_gib", "lr",
+                 "grad_norm", "tokens", "anchors", "eval_s", "tau_prompts")
+LIST_FIELDS = ("acc_per_pos", "accept_per_pos")
+SPLITS = ("train", "eval")
+MAX_PROBLEMS_SHOWN = 5
 
 
-def read_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(training records, evaluation records) of metrics.jsonl, one per step, by step."""
+def _number(value) -> float | None:
+    """`value` as a float when it is a JSON number (not a bool, not too large for a float), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def _step(value) -> int | None:
+    number = _number(value)
+    if number is None or not math.isfinite(number) or not number.is_integer() or number < 0:
+        return None
+    return int(number)
+
+
+def _short(value) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def clean_record(record: dict, where: str, problems: list[str]) -> dict | None:
+    """The record with every field the report reads of the right type, or None when its step or split is
+    unusable; each value left out is described in `problems`."""
+    step = _step(record.get("step"))
+    if step is None:
+        problems.append(f"{where}: step is {_short(record.get('step'))}, not a whole number >= 0; the line is "
+                        "left out")
+        return None
+    split = record.get("split", "train")
+    if not isinstance(split, str):
+        problems.append(f"{where}: split is {_short(split)}, not \"train\" or \"eval\"; the line is left out")
+        return None
+    out = {**record, "step": step, "split": split}
+    for key in NUMBER_FIELDS + LIST_FIELDS:  # null: the field is absent
+        if key in out and out[key] is None:
+            del out[key]
+    for key in NUMBER_FIELDS:
+        if key in out:
+            number = _number(record[key])
+            if number is None:
+                problems.append(f"{where}: {key} is {_short(record[key])}, not a number")
+                del out[key]
+            else:
+                out[key] = number
+    for key in LIST_FIELDS:
+        if key in out:
+            value = record[key]
+            numbers = [_number(v) for v in value] if isinstance(value, list) else None
+            if numbers is None or any(v is None for v in numbers):
+                problems.append(f"{where}: {key} is {_short(value)}, not a list of numbers")
+                del out[key]
+            else:
+                out[key] = numbers
+    return out
+
+
+def read_records(run_dir: Path, problems: list[str] | None = None) -> tuple[list[dict], list[dict]]:
+    """(training records, evaluation records) of metrics.jsonl, one per step, by step. What had to be left
+    out (module docstring) is appended to `problems`."""
+    problems = [] if problems is None else problems
     path = RunDir(run_dir).metrics
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: {run_dir} is not a dflash-train output dir, or the run "
                           "has not finished a step yet.")
-    by_split: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); make it readable, or pass the run's --out dir.") from None
+    by_split: dict[str, dict[int, dict]] = {split: {} for split in SPLITS}
+    lines = data.split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
+        where = f"{path.name} line {i + 1}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a crash: the rest of the file still counts
+            record = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; a too deep nest
+            if i != last:  # the last line may be one the run is writing, or one cut by a crash
+                problems.append(f"{where}: not JSON ({type(exc).__name__}); the line is left out")
             continue
-        if isinstance(record, dict) and "step" in record:
-            by_split.setdefault(record.get("split", "train"), {})[int(record["step"])] = record
+        if not isinstance(record, dict):
+            problems.append(f"{where}: a JSON {type(record).__name__}, not a record; the line is left out")
+            continue
+        record = clean_record(record, where, problems)
+        if record is not None and record["split"] in by_split:  # other splits: not plotted
+            by_split[record["split"]][record["step"]] = record
     return ([by_split["train"][s] for s in sorted(by_split["train"])],
             [by_split["eval"][s] for s in sorted(by_split["eval"])])
 
@@ -127,7 +215,8 @@ def _fmt(value, spec: str = ".4g") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
-def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config: dict) -> str:
+def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config: dict,
+                     problems: list[str] = ()) -> str:
     last, ev = (train[-1] if train else {}), (evals[-1] if evals else {})
     rates = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     rates.sort()
@@ -148,21 +237,47 @@ def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config
                  if last.get("gpu_mem_gib") is not None else ""),
               "- tau measured: speculative decoding of --eval-tau-prompts evaluation prompts; tau replayed: "
               "greedy verification replayed on their data, the same decoding when the data is the target's "
-              "own greedy answers (dflash.train.evaluation)", ""]
+              "own greedy answers (dflash.train.evaluation)"]
+    if problems:
+        more = "; ..." if len(problems) > MAX_PROBLEMS_SHOWN else ""
+        lines.append(f"- left out of this report ({len(problems)}): " + "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + more)
+    lines.append("")
     lines += [f"![{name}]({name}.png)" for name in PLOTS]
     return "\n".join(lines) + "\n"
 
 
-def write_report(run_dir) -> Path:
-    """Plots and report.md into <run_dir>/report; returns the report.md path."""
+def read_config(run: RunDir, problems: list[str]) -> dict:
+    """The run's options, flat (its settings for the summary), or {} when config.json is missing or cannot be
+    read as a run's config (then described in `problems`)."""
+    try:
+        return run.stored_options()
+    except (DflashError, TypeError, ValueError, RecursionError) as exc:  # TypeError: a value of a wrong type
+        text = " ".join(str(exc).split())
+        problems.append(f"{run.config.name}: cannot be read as the run's settings ({type(exc).__name__}: "
+                        f"{text[:120]}); they are left out")
+        return {}
+
+
+def write_report(run_dir, warn: Callable[[str], None] | None = None) -> Path:
+    """Plots and report.md into <run_dir>/report; returns the report.md path. Whatever had to be left out
+    goes to `warn` (default: the log), one message."""
     from common.fsutil import atomic_write
 
     run = RunDir(run_dir)
-    train, evals = read_records(run.root)
-    config = run.stored_options()
+    problems: list[str] = []
+    train, evals = read_records(run.root, problems)
+    config = read_config(run, problems)
+    if problems:
+        shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + ("; ..." if len(problems) > MAX_PROBLEMS_SHOWN else "")
+        (warn or log.warning)(f"left out of the report of {run.root} ({len(problems)}): {shown}. Fix or delete "
+                              "those lines to have them in it.")
     out = run.report
-    out.mkdir(parents=True, exist_ok=True)
-    write_plots(out, train, evals)
-    report = out / "report.md"
-    atomic_write(report, summary_markdown(run.root, train, evals, config))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_plots(out, train, evals)
+        report = out / "report.md"
+        atomic_write(report, summary_markdown(run.root, train, evals, config, problems))
+    except OSError as exc:
+        raise ConfigError(f"cannot write the report into {out} ({type(exc).__name__}: {exc}); make {run.root} "
+                          "writable (and free disk space), then run `dflash report` again.") from None
     return report

@@ -62,13 +62,16 @@ def test_stop_names_line_of_bad_conversation(tmp_path):
 def test_skip_counts_each_problem(tmp_path):
     lines = [GOOD, "{not json", json.dumps({"text": "no messages"}), "", json.dumps([{"role": "user"}]),
              json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
-             json.dumps({"messages": [{"role": "assistant", "content": [{"type": "text", "text": "a"}]}]})]
+             json.dumps({"messages": [{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}),
+             json.dumps({"messages": [{"role": "assistant", "content": "an answer to nothing"}]})]
     convs, report = load_chat_jsonl(_write(tmp_path, lines), on_error="skip")
-    assert report.n_read == 6 and report.n_kept == 3  # the blank line is not a record
-    assert report.skipped == {"bad_json": 1, "bad_conversation": 2}
+    assert report.n_read == 7 and report.n_kept == 3  # the blank line is not a record
+    assert report.skipped == {"bad_json": 1, "bad_conversation": 2, "roles_out_of_order": 1}
     assert any(":5: message 1: content must be a string" in e for e in report.examples)
+    assert any(":8: roles out of order: message 1 is 'assistant'" in e for e in report.examples)
     assert convs[1] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    assert convs[2] == [{"role": "assistant", "content": "a"}]
+    assert convs[2] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 
 
 def test_non_utf8_line_is_counted(tmp_path):

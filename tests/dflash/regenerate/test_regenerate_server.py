@@ -284,22 +284,41 @@ def test_timeouts_are_retried_then_reported(tmp_path):
     assert "timed out" in error["error"] and error["attempts"] == 2
 
 
-def test_unreachable_server_is_retried_then_reported(tmp_path, capsys):
+class GoneAfterStart(ChatClient):
+    """A client whose server answered the check at the start of the run, then went away."""
+
+    def check_reachable(self, timeout: float = 10.0) -> None:
+        pass
+
+
+def test_no_server_at_all_fails_at_once_and_writes_nothing(tmp_path, capsys):
     data = write_data(tmp_path / "in.jsonl", [{"messages": [user(str(i))]} for i in range(3)])
     out = tmp_path / "out.jsonl"
+    start = time.monotonic()
     code = main(["regenerate", "--endpoint", f"http://127.0.0.1:{free_port()}", "--model", "m", "--data", str(data),
-                 "--out", str(out), "--retries", "2", "--backoff", "0.01", "--no-progress"])
-    assert code == 8
-    assert out.read_text() == ""  # valid (empty) JSONL
+                 "--out", str(out), "--no-progress"])
+    assert code == 8 and time.monotonic() - start < 5
+    assert "nothing listens at http://127.0.0.1:" in capsys.readouterr().err
+    assert not out.exists() and not errors_path(out).exists()
+
+
+def test_a_server_gone_mid_run_is_retried_then_reported(tmp_path):
+    data = write_data(tmp_path / "in.jsonl", [{"messages": [user(str(i))]} for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    client = GoneAfterStart(url=f"http://127.0.0.1:{free_port()}/v1/chat/completions", model="m", max_tokens=4,
+                            retries=2, backoff=0.01)
+    summary = regenerate_via_server(client, data, out, progress=False)
+    assert (summary.failed, summary.written, summary.exit_code) == (3, 0, 8)
+    assert not out.exists()  # nothing written: no empty file that would look like a result
     errors = read_out(errors_path(out))
     assert len(errors) == 3 and all(e["attempts"] == 3 and "ConnectionRefusedError" in e["error"] for e in errors)
-    assert "3 failed" in capsys.readouterr().err
+    assert "3 failed" in summary.message()
 
 
 def test_failures_in_a_row_stop_the_run(tmp_path):
     data = write_data(tmp_path / "in.jsonl", [{"messages": [user(str(i))]} for i in range(20)])
-    client = ChatClient(url=f"http://127.0.0.1:{free_port()}/v1/chat/completions", model="m", max_tokens=4,
-                        retries=0)
+    client = GoneAfterStart(url=f"http://127.0.0.1:{free_port()}/v1/chat/completions", model="m", max_tokens=4,
+                            retries=0)
     summary = regenerate_via_server(client, data, tmp_path / "out.jsonl", concurrency=1, max_failures_in_a_row=3,
                                     progress=False)
     assert (summary.failed, summary.written, summary.exit_code) == (3, 0, 8)
