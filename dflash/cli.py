@@ -164,7 +164,7 @@ def export_parser() -> argparse.ArgumentParser:
 def _export(argv) -> int:
     import torch
 
-    from dflash.io.drafter import target_shape
+    from dflash.io.fit import target_shape
     from dflash.io.legacy import convert_legacy
 
     args = export_parser().parse_args(argv)

@@ -128,7 +128,8 @@ def load_for_eval(target_dir, drafter_dir, device="cpu", target_dtype=torch.floa
     target it was trained for (target_fingerprint) must name this one. On a CPU, bf16 weights are
     upcast to float32 (dflash.drafter_io.load_drafter says so in the log).
     """
-    from dflash.io.drafter import check_fits_target, load_drafter, read_drafter_config, target_shape
+    from dflash.io.drafter import load_drafter, read_drafter_config
+    from dflash.io.fit import check_fits_target, target_shape
     from dflash.model.target import Target
 
     config = read_drafter_config(drafter_dir)

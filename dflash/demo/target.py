@@ -176,7 +176,7 @@ def _new_model(spec: DemoSpec, tokenizer):
 def _route_kernels(model) -> None:
     # transformers 5.24 sends CPU tensors to fla's Triton kernels when fla is installed; route them
     # to the torch references as the target does (see dflash.target).
-    from dflash.model.target import route_kernels_by_device
+    from dflash.model.kernels import route_kernels_by_device
 
     route_kernels_by_device(sys.modules[type(model).__module__])
 

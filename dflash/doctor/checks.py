@@ -21,7 +21,7 @@ from packaging.version import InvalidVersion, Version
 from dflash.doctor.verdict import FAIL, PASS, SKIP, CheckResult
 
 if TYPE_CHECKING:  # dflash.target imports torch: the checks import it only when they run
-    from dflash.model.target import KernelFunction
+    from dflash.model.kernels import KernelFunction
 
 WHEEL_FIX = "rebuild the wheel for the installed torch with `make wheels` and install it from dist/wheels/"
 EXTENSION = "causal_conv1d_cuda"
@@ -295,7 +295,7 @@ def check_dispatch(modules: tuple[str, ...] = QWEN35_MODULES) -> CheckResult:
     dflash.target.kernel_functions, the same reader the trainer's routing uses)."""
     import transformers
 
-    from dflash.model.target import kernel_functions
+    from dflash.model.kernels import kernel_functions
 
     found, problems = [], []
     for name in modules:

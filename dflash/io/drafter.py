@@ -32,7 +32,7 @@ No embedding and no LM head: the target's are used.
 Reading checks everything before a weight is loaded: the config (model type, architecture, DFlash keys,
 and every other key: `unsupported_keys` refuses, by name, an unknown key and one whose value makes an
 engine compute something else), then the tensor names and shapes from the safetensors
-header, then (`check_fits_target`) the target. Every failure is a DrafterError naming the problem and
+header, then (dflash.io.fit: `check_fits_target`) the target. Every failure is a DrafterError naming the problem and
 the fix. (`dflash.drafter_legacy` converts the project's older "dflash-drafter/1" directories.)
 """
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -396,57 +395,3 @@ def load_drafter(directory, device="cpu", dtype: torch.dtype | None = None, atte
         drafter = Drafter(config, attention=attention)
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return drafter
-
-
-# --- the target ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TargetShape:
-    """What a drafter must agree with, read from a target's config.json (no weights loaded)."""
-
-    hidden_size: int
-    num_layers: int
-    vocab_size: int
-    max_position_embeddings: int
-    fingerprint: str | None = None  # only a loaded Target computes it
-
-
-def target_shape(path) -> TargetShape:
-    """TargetShape of the HF model directory (or Hub model id: dflash.target.resolve_target) `path`,
-    from its config.json alone."""
-    from dflash.model.target import read_target_config, resolve_target
-
-    path = resolve_target(path)
-    if not (path / CONFIG_NAME).is_file():
-        raise DrafterError(f"{path} is not a model directory (no {CONFIG_NAME}); pass the target's local directory")
-    text = read_target_config(path).get_text_config()
-    return TargetShape(int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size),
-                       int(getattr(text, "max_position_embeddings", None) or 40960))
-
-
-def check_fits_target(config: DrafterConfig, target, where: str = "the drafter") -> None:
-    """Refuse a drafter that does not fit `target` (a Target or a TargetShape); names every mismatch."""
-    problems = []
-    if config.hidden_size != target.hidden_size:
-        problems.append(f"hidden_size {config.hidden_size} != the target's {target.hidden_size}")
-    if config.num_target_layers != target.num_layers:
-        problems.append(f"num_target_layers {config.num_target_layers} != the target's {target.num_layers} layers")
-    bad = [i for i in config.target_layer_ids if i >= target.num_layers]
-    if bad:
-        problems.append(f"target_layer_ids {bad} do not exist in a {target.num_layers}-layer target")
-    if config.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size {config.vocab_size} != the target's {target.vocab_size}")
-    if config.mask_token_id >= target.vocab_size:
-        problems.append(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary "
-                        f"(0..{target.vocab_size - 1})")
-    from dflash.io.engines import mask_token_problem
-
-    if getattr(target, "tokenizer", None) is not None and (problem := mask_token_problem(target.tokenizer,
-                                                                                          config.mask_token_id)):
-        problems.append(problem)
-    fingerprint = getattr(target, "fingerprint", None)
-    if not problems and fingerprint and config.target_fingerprint and config.target_fingerprint != fingerprint:
-        problems.append(f"its target_fingerprint {config.target_fingerprint} != the target's {fingerprint} "
-                        "(same sizes, other architecture or vocabulary)")
-    if problems:
-        raise DrafterError(f"{where} was trained for a different target: {'; '.join(problems)}. "
-                           "Pass the target it was trained for (or a drafter trained for this target)")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.io.drafter import (CONFIG_NAME, LEGACY_FORMAT, MODEL_TYPE, TargetShape, check_fits_target, check_tensors,
-                         read_json, save_drafter, weight_files)
+from dflash.io.drafter import CONFIG_NAME, LEGACY_FORMAT, MODEL_TYPE, check_tensors, read_json, save_drafter, weight_files
+from dflash.io.fit import TargetShape, check_fits_target
 from dflash.errors import DrafterError
 from dflash.model.drafter import Drafter, DrafterConfig
 

@@ -304,7 +304,8 @@ def _pad_id(target) -> int:
 def drafter_config(config: TrainConfig, target):
     """The drafter this run trains: --init-drafter's (checked against the target), or a new one shaped
     like the target's attention with --drafter-layers and --sliding-window."""
-    from dflash.io.drafter import check_fits_target, read_drafter_config
+    from dflash.io.drafter import read_drafter_config
+    from dflash.io.fit import check_fits_target
     from dflash.model.drafter import FULL, SLIDING, DrafterConfig
 
     from dflash.io.engines import check_servable
@@ -338,7 +339,8 @@ def load_target(config: TrainConfig, device: torch.device, path=None):
     path, opts = path or config.io.target, config.model
     layer_ids, mask_token = opts.target_layer_ids, opts.mask_token
     if opts.init_drafter:
-        from dflash.io.drafter import check_fits_target, read_drafter_config, target_shape
+        from dflash.io.drafter import read_drafter_config
+        from dflash.io.fit import check_fits_target, target_shape
 
         init = read_drafter_config(opts.init_drafter)
         check_fits_target(init, target_shape(path), f"--init-drafter {opts.init_drafter}")

@@ -20,7 +20,7 @@ from dflash.doctor import checks as dc
 from dflash.doctor import numerics as dn
 from dflash.doctor import doctor
 from dflash.doctor.verdict import FAIL, PASS, SKIP, CheckResult, Report, render_table
-from dflash.model.target import kernel_functions
+from dflash.model.kernels import kernel_functions
 
 REPO = Path(__file__).resolve().parents[3]
 NVCC = "/usr/local/cuda/bin/nvcc"

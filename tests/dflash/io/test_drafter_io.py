@@ -10,9 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.io.drafter import (
-    check_fits_target, expected_tensors, load_drafter, read_drafter_config, save_drafter, target_shape,
-)
+from dflash.io.drafter import expected_tensors, load_drafter, read_drafter_config, save_drafter
+from dflash.io.fit import check_fits_target, target_shape
 from dflash.io.legacy import convert_legacy
 from dflash.errors import DrafterError
 from dflash.model.drafter import Drafter, DrafterConfig

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.errors import DrafterError, TargetError
-from dflash.io.drafter import check_fits_target
+from dflash.io.fit import check_fits_target
 from dflash.io.engines import check_servable, last_layer_problem, mask_token_problem
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import Target

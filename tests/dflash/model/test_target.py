@@ -133,7 +133,7 @@ def test_cpu_tensors_take_the_torch_reference_even_where_fla_resolved(qwen35_dir
     """transformers 5.24 resolves chunk_gated_delta_rule to fla when fla imports; CPU must not reach it."""
     import sys
 
-    from dflash.model.target import kernel_functions
+    from dflash.model.kernels import kernel_functions
 
     target = Target.load(qwen35_dir)
     Target.load(qwen35_dir)  # routing a second time must not wrap twice

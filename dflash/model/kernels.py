@@ -1,0 +1,113 @@
+"""Which implementation each GatedDeltaNet kernel function of a transformers model module resolves to,
+and routing it by device.
+
+transformers 5.15+ resolves each GatedDeltaNet kernel function (`chunk_gated_delta_rule`, ...) once, at
+import, to the installed package (fla, causal-conv1d) or to its torch reference. 5.24 does not look at
+the device, so with fla installed a CPU forward reaches Triton and dies ("0 active drivers"); 5.25
+added the device check. `route_kernels_by_device` applies the same rule here: CUDA tensors take the
+resolved kernel, anything else the torch reference. `kernel_functions` is the one reader of that
+dispatch, used by the target's kernel report and the doctor's dispatch check.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelFunction:
+    """One function transformers resolved through `use_kernel_func_from_hub_with_fallback`."""
+
+    name: str                 # the kernel's own name, e.g. "chunk_gated_delta_rule"
+    attr: str                 # the module attribute holding it, e.g. "torch_chunk_gated_delta_rule"
+    package: str              # where the fast one comes from: "fla" or "causal_conv1d"
+    fast: bool                # True when it resolved to the package's kernel, not the torch reference
+    implementation: Callable  # what the wrapper calls: the package's kernel, or torch_function
+    torch_function: Callable  # the torch reference
+
+
+# The free variables of transformers' fallback wrapper (integrations/hub_kernels.py, 5.24) that say
+# what it resolved; a wrapper without all of them is not one this code knows how to read.
+_WRAPPER_CELLS = frozenset({"func_name", "package", "implementation", "torch_function"})
+
+
+def _closure(fn: Callable) -> dict:
+    cells = fn.__closure__ or ()
+    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
+
+
+def _kernel_wrapper_state(fn: Callable) -> dict | None:
+    """The closure of transformers' fallback wrapper inside `fn`, following `__wrapped__` through
+    outer wrappers (a hub-kernels decorator, or `_device_router`), or None."""
+    seen = 0
+    while fn is not None and seen < 8:
+        if inspect.isfunction(fn):
+            state = _closure(fn)
+            if _WRAPPER_CELLS <= state.keys():
+                return state
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return None
+
+
+def kernel_functions(module: ModuleType) -> list[KernelFunction]:
+    """Every per-function kernel dispatch point a transformers modeling module defines.
+
+    transformers 5.24 wraps each with `use_kernel_func_from_hub_with_fallback(func_name, package)`,
+    which picks the implementation ONCE, when the model module is imported: the function in
+    `importlib.import_module(package)`, else the torch reference. The choice lives in the wrapper's
+    closure; at call time a fallback only logs "`{func}` is falling back to its reference PyTorch
+    implementation". Reading the closure tells the same without running a kernel, so it works on a
+    machine without a GPU.
+    """
+    found = []
+    for attr, value in sorted(vars(module).items()):
+        if not callable(value):
+            continue
+        state = _kernel_wrapper_state(value)
+        if state is None:
+            continue
+        found.append(KernelFunction(
+            name=state["func_name"], attr=attr, package=state["package"],
+            fast=state["implementation"] is not state["torch_function"],
+            implementation=state["implementation"], torch_function=state["torch_function"],
+        ))
+    return found
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _device_router(wrapper: Callable, torch_function: Callable) -> Callable:
+    """`wrapper` for CUDA inputs, `torch_function` (with the kwargs it accepts) for anything else."""
+    params = inspect.signature(torch_function).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(wrapper)
+    def routed(*args, **kwargs):
+        first = _first_tensor(args, kwargs)
+        if first is not None and first.is_cuda:
+            return wrapper(*args, **kwargs)
+        if not takes_any:
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        return torch_function(*args, **kwargs)
+
+    routed.__dflash_routed__ = True
+    return routed
+
+
+def route_kernels_by_device(module: ModuleType) -> None:
+    """Make `module`'s kernel functions send non-CUDA tensors to their torch reference (idempotent)."""
+    for fn in kernel_functions(module):
+        current = getattr(module, fn.attr)
+        if fn.fast and not getattr(current, "__dflash_routed__", False):
+            setattr(module, fn.attr, _device_router(current, fn.torch_function))
