@@ -387,8 +387,6 @@ RUN_CONFIG_KEYS = ("block_size", "lr", "max_length", "target_layer_ids", "report
                    "eval_fraction", "precision")
 
 
-@pytest.mark.xfail(strict=True, reason="TrainConfig.from_json (dflash/config/__init__.py) passes the file's values "
-                   "to the dataclass unconverted: a wrong type escapes as a TypeError from __post_init__")
 @given(doc=st.one_of(st.dictionaries(st.sampled_from(RUN_CONFIG_KEYS), JSON, max_size=3), JSON),
        raw=st.one_of(st.none(), st.binary(max_size=16)))
 def test_resume_run_config(doc, raw):

@@ -32,7 +32,7 @@ from common.fsutil import atomic_write
 from dflash.config.sections import (SECTIONS, TRACKERS, DemoConfig, IOConfig, ModelConfig, OptimConfig,
                                     RuntimeConfig, WatchConfig, check_report_to, flag)
 from dflash.config.file import read_config_file
-from dflash.config.options import OPTIONS, flatten, unknown_option
+from dflash.config.options import OPTIONS, convert_value, flatten, unknown_option
 from dflash.errors import ConfigError
 
 __all__ = ["TrainConfig", "IOConfig", "ModelConfig", "OptimConfig", "RuntimeConfig", "WatchConfig", "DemoConfig",
@@ -98,13 +98,14 @@ class TrainConfig:
     def from_dict(cls, data: dict, *, source: str = "config") -> "TrainConfig":
         """From the nested form ({section: {option: value}}), the flat one ({option: value}: a config.json
         written before the sections), or a mix of both."""
-        return cls.from_flat(flatten(data, source), source=source)
+        values = flatten(data, source, lambda name, key, value: convert_value(name, value, f"{source}: '{key}'"))
+        return cls.from_flat(values, source=source)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "TrainConfig":
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"cannot read the config {path}: {exc}. Delete it or point --out elsewhere.") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{path} holds {type(data).__name__}, not a config; delete it or point --out elsewhere.")

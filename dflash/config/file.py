@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import json
 import tomllib
-import types
-import typing
 from pathlib import Path
 
-from dflash.config.options import OPTIONS, flatten
+from dflash.config.options import convert_value, flatten
 from dflash.errors import ConfigError
 
 FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON", ".toml": "TOML"}
@@ -52,50 +50,6 @@ def _parse(path: Path) -> object:
         raise ConfigError(f"--config {path}: not valid {kind}: {exc}") from exc
 
 
-def _base_type(tp):
-    """(type, optional) of a field type: `X | None` -> (X, True)."""
-    args = typing.get_args(tp)
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        return [a for a in args if a is not type(None)][0], type(None) in args
-    return tp, False
-
-
-def _convert(value, tp, where: str):
-    base, optional = _base_type(tp)
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{where} is empty; give a value or leave the key out.")
-    bad = ConfigError(f"{where} is {value!r}; it must be {getattr(base, '__name__', str(base))}.")
-    if typing.get_origin(base) is list:
-        (item,) = typing.get_args(base)
-        if isinstance(value, str):
-            value = [v for v in value.replace(" ", "").split(",") if v]
-        if not isinstance(value, list):
-            raise bad
-        return [_convert(v, item, where) for v in value]
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if base in (int, float):
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, str):
-            try:
-                value = base(value)
-            except ValueError:
-                raise bad from None
-        if base is int and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, (int, float)) or (base is int and not isinstance(value, int)):
-            raise bad
-        return base(value)
-    if base is str and isinstance(value, str):
-        return value
-    raise bad
-
-
 def read_config_file(path) -> dict:
     """{option name: value} of the options set in `path`, each converted to its option's type."""
     path = Path(path)
@@ -104,4 +58,4 @@ def read_config_file(path) -> dict:
         raise ConfigError(f"--config {path}: the file must hold a mapping of option: value, "
                           f"not a {type(data).__name__}.")
     where = f"--config {path}"
-    return flatten(data, where, lambda name, key, value: _convert(value, OPTIONS[name][2], f"{where}: '{key}'"))
+    return flatten(data, where, lambda name, key, value: convert_value(name, value, f"{where}: '{key}'"))

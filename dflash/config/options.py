@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 
 from dflash.config.sections import SECTIONS, flag
@@ -63,3 +64,53 @@ def flatten(data: dict, where: str, convert=None) -> dict:
         else:
             raise unknown_option(key, where)
     return flat
+
+
+def _base_type(tp):
+    """(type, optional) of a field type: `X | None` -> (X, True)."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return [a for a in args if a is not type(None)][0], type(None) in args
+    return tp, False
+
+
+def _convert(value, tp, where: str):
+    base, optional = _base_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} is empty; give a value or leave the key out.")
+    bad = ConfigError(f"{where} is {value!r}; it must be {getattr(base, '__name__', str(base))}.")
+    if typing.get_origin(base) is list:
+        (item,) = typing.get_args(base)
+        if isinstance(value, str):
+            value = [v for v in value.replace(" ", "").split(",") if v]
+        if not isinstance(value, list):
+            raise bad
+        return [_convert(v, item, where) for v in value]
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if base in (int, float):
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, str):
+            try:
+                value = base(value)
+            except ValueError:
+                raise bad from None
+        if base is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, (int, float)) or (base is int and not isinstance(value, int)):
+            raise bad
+        return base(value)
+    if base is str and isinstance(value, str):
+        return value
+    raise bad
+
+
+def convert_value(option: str, value, where: str):
+    """`value` as option `option`'s type (numbers in strings converted as the command line would), or a
+    ConfigError naming `where` and the type it must be."""
+    return _convert(value, OPTIONS[option][2], where)

@@ -166,13 +166,26 @@ def load_weights(checkpoint: Path, load_file, device: str = "cpu") -> dict:
                               "or start a new run without --resume.") from None
 
 
+def load_error_text(exc: Exception) -> str:
+    """What torch.load's error says, without its advice to load with weights_only=False (never the fix for
+    a damaged file: it would execute whatever the file's pickle holds)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    line = line.split(". ")[0].split("Please ")[0].strip().rstrip(".")  # what was found, not torch's advice
+    if len(line) > 120:
+        line = line[:117] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
 def load_state(checkpoint: Path, map_location="cpu") -> dict:
     """trainer_state.pt, loaded with weights_only=True (plain values and tensors only, no pickled code)."""
     try:
         state = torch.load(checkpoint / STATE_FILE, map_location=map_location, weights_only=True)
     except Exception as exc:  # a truncated or foreign file: name it and the way out
-        raise CheckpointError(f"cannot load {checkpoint / STATE_FILE}: {exc}. Delete {checkpoint} to resume "
-                              "from an older checkpoint, or start a new run without --resume.") from exc
+        raise CheckpointError(f"cannot load {checkpoint / STATE_FILE}: {load_error_text(exc)}. Delete {checkpoint} "
+                              "to resume from an older checkpoint, or start a new run without --resume.") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{checkpoint / STATE_FILE} holds {type(state).__name__}, not a trainer state; "
                               "start a new run without --resume.")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,34 @@ class MonitorPlan:
     options: dict           # the run's options, flat (TrainConfig.to_flat): the trackers record them
 
 
+class _LogFile(logging.FileHandler):
+    """train.log. When it cannot be written (a full disk, say), one line on stderr says so, once, instead
+    of logging's traceback for every record, and the log goes on on stderr."""
+
+    failed = False
+
+    def _failed(self, exc: BaseException | None) -> None:
+        if not self.failed:
+            self.failed = True
+            sys.stderr.write(f"dflash: cannot write {self.baseFilename} ({getattr(exc, 'strerror', None) or exc}); "
+                             "the log goes on on stderr only\n")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._failed(sys.exc_info()[1])
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as exc:
+            self._failed(exc)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:
+            self._failed(exc)
+
+
 def setup_logging(run: RunDir, is_main: bool) -> None:
     """Log to stderr and to the run's train.log (rank 0 only; other ranks only warn)."""
     logger = logging.getLogger("dflash")
@@ -57,7 +86,7 @@ def setup_logging(run: RunDir, is_main: bool) -> None:
     handlers = [logging.StreamHandler()]
     if is_main:
         run.root.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(run.log))
+        handlers.append(_LogFile(run.log))
     for h in handlers:
         h.setFormatter(fmt)
         h._dflash = True
@@ -89,8 +118,12 @@ class RunMonitor:
     def _write(self, record: dict, split: str) -> None:
         if not self.d.is_main:
             return
-        with open(self.run.metrics, "a") as fh:
-            fh.write(json.dumps({**record, "split": split}) + "\n")
+        try:
+            with open(self.run.metrics, "a") as fh:
+                fh.write(json.dumps({**record, "split": split}) + "\n")
+        except OSError as exc:  # a full disk fails the write or the close, which name no file: name it
+            exc.filename = exc.filename or str(self.run.metrics)
+            raise
         self.trackers.log(record, split)
 
     def step(self, m: dict) -> None:

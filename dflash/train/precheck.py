@@ -103,19 +103,6 @@ def check_target_cheaply(config: TrainConfig) -> None:
     check_servable(config.model.target_layer_ids or [], int(text.num_hidden_layers), tokenizer, mask_id)
 
 
-def _load_error(exc: Exception) -> str:
-    """What torch.load's error says, without its advice to load with weights_only=False (never the fix for
-    a damaged file: it would execute whatever the file's pickle holds)."""
-    text = str(exc)
-    if "WeightsUnpickler error:" in text:
-        text = text.split("WeightsUnpickler error:", 1)[1]
-    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
-    line = line.split(". ")[0].split("Please ")[0].strip().rstrip(".")  # what was found, not torch's advice
-    if len(line) > 120:
-        line = line[:117] + "..."
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
-
-
 def _damaged(checkpoint: Path, what: Path, reason: str) -> CheckpointError:
     from dflash.train.checkpoint import STATE_FILE
 
@@ -141,7 +128,7 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     import torch
 
     from dflash.io.drafter import read_drafter_config
-    from dflash.train.checkpoint import STATE_FILE, latest_checkpoint
+    from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
     from dflash.train.rundir import RunDir
 
     root = RunDir(config.io.out).checkpoints
@@ -159,7 +146,7 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     try:
         loaded = torch.load(state, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # UnpicklingError, RuntimeError from the zip reader, EOFError, ...
-        raise _damaged(last, state, f"its contents do not load: {_load_error(exc)}") from None
+        raise _damaged(last, state, f"its contents do not load: {load_error_text(exc)}") from None
     if not isinstance(loaded, dict) or not {"optimizer", "scheduler", "rng", "step"} <= loaded.keys():
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
 

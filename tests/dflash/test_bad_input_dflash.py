@@ -183,6 +183,12 @@ def metrics_on_a_full_disk(out: Path) -> None:
     RunDir(out).metrics.symlink_to("/dev/full")
 
 
+def log_on_a_full_disk(out: Path) -> None:
+    """The finished run, continued: its train.log is on a disk that is full (every write: ENOSPC)."""
+    RunDir(out).log.unlink()
+    RunDir(out).log.symlink_to("/dev/full")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -274,9 +280,7 @@ CASES = [
          ("--block-size is 0", "2 or more"), True, absent=("at least 1",)),
     Case("resume-run-config-wrong-type", train_main, train_flags("--resume"), 2, ("config.json", "block_size"), True,
          resume_from=lambda out: edit_json(RunDir(out).config.name,
-                                           lambda d: d["model"].update(block_size="four"))(out),
-         xfail="TrainConfig.from_json (dflash/config/__init__.py) does not convert the stored values: "
-               "'four' < 2 escapes as a TypeError"),
+                                           lambda d: d["model"].update(block_size="four"))(out)),
     # the target's files, checked before its weights load
     Case("target-config-without-model-type", train_main, train_flags(target="{t}/target"), 5,
          ("config.json", 'no "model_type"', "restore the config.json"), True,
@@ -314,8 +318,12 @@ CASES = [
          check=lambda t: [*(t / "tokenized-cache").glob(".*otherhost*")] or pytest.fail("another host's build went")),
     # the run's own files
     Case("metrics-on-a-full-disk", train_main, train_flags("--resume", "--max-steps", "6"), 4,
-         ("No space left on device", "Free space on that disk", "continue from its last checkpoint (step-00000004)"),
+         ("metrics.jsonl", "No space left on device", "Free space on that disk",
+         "continue from its last checkpoint (step-00000004)"),
          resume_from=metrics_on_a_full_disk, log_words=("stopped: writing the run's files", "No space left")),
+    Case("train-log-on-a-full-disk", train_main, train_flags("--resume", "--max-steps", "6"), 0,
+         ("cannot write", "train.log (No space left on device)", "on stderr only"), absent=("Logging error",),
+         resume_from=log_on_a_full_disk, leaves=ANY),
     Case("report-metrics-wrong-types", main, report, 0,
          ('metrics.jsonl line 1: loss is "abc", not a number', "line 2: tokens_per_s is [1, 2], not a number",
           "line 3: step is \"three\""),
