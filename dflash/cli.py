@@ -23,8 +23,6 @@ by another run 10) prints one clear message instead of a traceback and exits wit
 from __future__ import annotations
 
 import argparse
-import errno
-import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +30,8 @@ from dataclasses import dataclass
 from common.cli import DefaultsOnceHelpFormatter, add_version, project_version, run_cli
 
 from dflash.config import TrainConfig, add_arguments, from_args
-from dflash.errors import ConfigError, TrainError
+from dflash.errors import ConfigError
+
 
 def _framed(prog: str, fn, argv) -> int:
     """fn(argv) under the project's one command-line frame (common.cli.run_cli): a DflashError becomes its
@@ -63,37 +62,13 @@ def train_config(argv: list[str]) -> TrainConfig:
     return from_args(train_parser().parse_args(argv), read_stored_config)
 
 
-# A write that fails for one of these reasons fails because of the disk, not because of what was written.
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-
-
-def _disk_error(exc: OSError, out) -> TrainError:
-    """The TrainError of a run whose output disk refused a write (full, over quota, read-only)."""
-    from dflash.train.checkpoint import read_latest
-    from dflash.train.rundir import RunDir
-
-    latest = read_latest(RunDir(out).checkpoints)
-    where = f" ({exc.filename})" if exc.filename else ""
-    then = (f"then continue from its last checkpoint ({latest}) with --resume" if latest else
-            "then run it again (it had written no checkpoint yet)")
-    return TrainError(f"writing the run's files in {out} failed{where}: {exc.strerror or exc}, so the run stopped. "
-                      f"Free space on that disk (or point --out at a larger one), {then}.")
-
-
 def _train(argv) -> int:
     config = train_config(argv)
     if config.is_demo:
         from dflash.demo.pipeline import run_demo
         return run_demo(config)
     from dflash.train.trainer import train
-    try:
-        return train(config).exit_code
-    except OSError as exc:  # metrics.jsonl, trackers, the report: writes of the run that no error wraps
-        if exc.errno not in DISK_ERRNOS:
-            raise
-        error = _disk_error(exc, config.io.out)
-        logging.getLogger("dflash.train").error("stopped: %s", error)  # in train.log too, when it can be written
-        raise error from None
+    return train(config).exit_code
 
 
 def train_main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ checkpoint and `latest` untouched.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import random
@@ -30,7 +31,7 @@ import torch
 from common.fsutil import atomic_write
 
 from dflash.config import TrainConfig
-from dflash.errors import CheckpointError
+from dflash.errors import CheckpointError, TrainError
 from dflash.io.drafter import load_drafter, save_drafter
 
 STATE_FILE = "trainer_state.pt"
@@ -135,6 +136,21 @@ def read_latest(root: Path) -> str | None:
     except FileNotFoundError:
         return None
     return name or None
+
+
+# A write that fails for one of these reasons fails because of the disk, not because of what was written.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def disk_error(exc: OSError, out, checkpoints: Path) -> TrainError:
+    """The TrainError of a run in `out` whose disk refused a write (full, over quota, read-only); the way on
+    names the last checkpoint in `checkpoints`."""
+    latest = read_latest(checkpoints)
+    where = f" ({exc.filename})" if exc.filename else ""
+    then = (f"then continue from its last checkpoint ({latest}) with --resume" if latest else
+            "then run it again (it had written no checkpoint yet)")
+    return TrainError(f"writing the run's files in {out} failed{where}: {exc.strerror or exc}, so the run stopped. "
+                      f"Free space on that disk (or point --out at a larger one), {then}.")
 
 
 def latest_checkpoint(root: Path) -> Path | None:

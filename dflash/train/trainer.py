@@ -386,5 +386,11 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
         except DflashError as exc:  # also in train.log, where a run's story is read afterwards
             log.error("stopped: %s", exc)
             raise
+        except OSError as exc:  # metrics.jsonl, trackers, the report: writes of the run that no error wraps
+            if exc.errno not in ckpt.DISK_ERRNOS:
+                raise
+            error = ckpt.disk_error(exc, config.io.out, run.checkpoints)
+            log.error("stopped: %s", error)  # in train.log too, when it can be written
+            raise error from None
         finally:
             stop.uninstall()
