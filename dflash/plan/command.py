@@ -15,7 +15,7 @@ from common.cli import DefaultsOnceHelpFormatter, add_version
 
 from dflash.errors import ConfigError
 from dflash.plan.memory import LAYOUTS, PRECISIONS, MicroBatch
-from dflash.plan.planner import card_from_args, plan
+from dflash.plan.planner import best_fitting, card_from_args, plan
 from dflash.plan.shapes import PRESETS, drafter_shape, target_shape
 from dflash.plan.throughput import CARDS
 
@@ -84,26 +84,33 @@ def _text(target, drafter, mb, card, gpus, options, best) -> str:
             out.append(f"{o.layout:<10} -  {o.why_not}")
             continue
         verdict = "fits" if o.fits else "does not fit"
-        out.append(f"{o.layout:<10} {verdict}: peak {o.peak_gb:.1f} GB per rank, predicted {o.tokens_per_s:,.0f} tokens/s")
+        out.append(f"{o.label:<10} {verdict}: peak {o.peak_gb:.1f} GB per rank, predicted {o.tokens_per_s:,.0f} tokens/s")
         out += _rank_lines(o)
     out.append("")
-    out.append(f"best: --layout {best.layout} ({best.tokens_per_s:,.0f} tokens/s, {best.peak_gb:.1f} GB per rank)"
+    out.append(f"best: --layout {best.label} ({best.tokens_per_s:,.0f} tokens/s, {best.peak_gb:.1f} GB per rank)"
                if best else "nothing fits: more GPUs, a larger card, or a smaller micro-batch")
     return "\n".join(out)
 
 
 def _table(target, drafter, mb, args) -> tuple[str, list[dict]]:
-    rows, lines = [], ["| card | GPUs | layout | per-rank peak | predicted tokens/s |", "|---|---|---|---|---|"]
+    """Every named card x TABLE_GPUS: the best layout for the micro-batch, or for the largest one that fits."""
+    rows = []
+    lines = ["| card | GPUs | micro-batch per rank | layout | per-rank peak | predicted tokens/s |",
+             "|---|---|---|---|---|---|"]
     for key, card in CARDS.items():
         for gpus in TABLE_GPUS:
-            _, best = plan(target, drafter, mb, card, gpus, precision=args.precision, headroom_gb=args.headroom_gb,
-                           target_stages=args.target_stages, micro_batches=args.micro_batches)
-            rows.append({"card": key, "gpus": gpus, "best": best.to_dict() if best else None})
-            if best:
-                lines.append(f"| {card.name} ({card.memory_gb:g} GB) | {gpus} | {best.layout} | {best.peak_gb:.1f} GB | "
+            found = best_fitting(target, drafter, mb, card, gpus, precision=args.precision,
+                                 headroom_gb=args.headroom_gb, target_stages=args.target_stages,
+                                 micro_batches=args.micro_batches)
+            rows.append({"card": key, "gpus": gpus, "micro_batch": vars(found[0]) if found else None,
+                         "best": found[1].to_dict() if found else None})
+            name = f"{card.name} ({card.memory_gb:g} GB)"
+            if found:
+                fit_mb, best = found
+                lines.append(f"| {name} | {gpus} | {fit_mb.describe()} | {best.label} | {best.peak_gb:.1f} GB | "
                              f"{best.tokens_per_s:,.0f} |")
             else:
-                lines.append(f"| {card.name} ({card.memory_gb:g} GB) | {gpus} | none fits | - | - |")
+                lines.append(f"| {name} | {gpus} | none fits | - | - | - |")
     return "\n".join(lines), rows
 
 

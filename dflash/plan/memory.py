@@ -10,8 +10,8 @@ Terms (bytes), from the code (dflash.train.step, dflash.model.drafter, dflash.tr
                       (+ the embedding on stage 0); a pipeline drafter rank: embedding + LM head x e
   drafter_weights     4P fp32 master weights (Drafter is built in fp32; autocast computes in bf16);
                       sharded layouts 4P / D (D: the ranks sharing it); offload: 0 (host memory)
-  gradients           4P fp32, held from the backward to the optimizer step; sharded 4P / D; offload 0.
-                      replicate at W > 1 adds DDP's bucket copy of every gradient: + 4P
+  gradients           4P fp32, held from the backward to the optimizer step; sharded 4P / D; offload 0
+  ddp_buckets         replicate at W > 1: DDP's flat gradient buckets, allocated with the wrapper: 4P
   optimizer_state     AdamW exp_avg + exp_avg_sq, fp32: 8P; sharded 8P / D; offload 0
   gathered_units      FSDP2 (shard, offload, pipeline drafter ranks): a unit's full fp32 weights while it
                       runs plus the next one prefetched, and one unit's unsharded gradients before the
@@ -158,8 +158,9 @@ def rank_peaks(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layou
     target_w = target.params * e / GB
     if layout == "replicate":
         static = {"target_weights": target_w, "drafter_weights": 4 * P / GB, "optimizer_state": 8 * P / GB}
-        grads = 4 * P / GB * (2 if world > 1 else 1)  # DDP's buckets hold a second copy of the gradients
-        return [_peak("every rank", static, grads, act, 0.0)]
+        if world > 1:  # DDP's reducer allocates its gradient buckets once, beside the gradients
+            static["ddp_buckets"] = 4 * P / GB
+        return [_peak("every rank", static, 4 * P / GB, act, 0.0)]
     if layout in ("shard", "offload"):
         gathered = 3 * 4 * U / GB
         if layout == "shard":

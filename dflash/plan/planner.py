@@ -39,7 +39,7 @@ class Option:
     @property
     def label(self) -> str:
         stages = self.detail.get("target_stages")
-        return f"{self.layout} ({stages} target stages)" if stages else self.layout
+        return f"{self.layout} ({stages} target stage{'s' if stages > 1 else ''})" if stages else self.layout
 
     def to_dict(self) -> dict:
         return {"layout": self.layout, "target_stages": self.detail.get("target_stages"), "gpus": self.world,
@@ -102,13 +102,28 @@ def plan(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card: Card,
 def largest_fitting_micro_batch(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: str,
                                 world: int, card: Card, **kwargs) -> MicroBatch | None:
     """The micro-batch closest to `mb` that fits under `layout`: fewer anchors per sequence (halving, down
-    to 16), then fewer sequences; None when not even 1 sequence with 16 anchors fits."""
+    to 1), then fewer sequences; None when not even 1 sequence with 1 anchor fits."""
     for batch in range(mb.batch, 0, -1):
         anchors = mb.anchors
-        while anchors >= 16:
+        while anchors >= 1:
             trial = MicroBatch(batch, mb.seq_len, anchors)
             if option(target, drafter, trial, layout, world, card, **kwargs).fits:
                 return trial
+            anchors //= 2
+    return None
+
+
+def best_fitting(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card: Card, world: int,
+                 **kwargs) -> tuple[MicroBatch, Option] | None:
+    """The micro-batch closest to `mb` that some layout fits (fewer anchors per sequence, halving down to 1,
+    then fewer sequences) with the best layout for it; None when nothing fits."""
+    for batch in range(mb.batch, 0, -1):
+        anchors = mb.anchors
+        while anchors >= 1:
+            trial = MicroBatch(batch, mb.seq_len, anchors)
+            _, best = plan(target, drafter, trial, card, world, **kwargs)
+            if best:
+                return trial, best
             anchors //= 2
     return None
 
@@ -169,7 +184,8 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     if chosen.fits:
         return
     peak = worst(chosen.ranks) if chosen.ranks else None
-    need = (f"needs {peak.total_gb:.1f} GB on the {peak.role} (" +
+    where = "per rank" if peak and peak.role == "every rank" else f"on the {peak.role if peak else ''}"
+    need = (f"needs {peak.total_gb:.1f} GB {where} (" +
             ", ".join(f"{k} {v:.1f}" for k, v in peak.terms.items() if v >= 0.05) + ")") if peak else chosen.why_not
     hints = []
     smaller = largest_fitting_micro_batch(target, drafter, mb, layout, world, card, precision=precision,

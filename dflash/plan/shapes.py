@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import functools
+
 import torch
 
 from dflash.errors import ConfigError, TargetError
@@ -123,6 +125,7 @@ def _preset(shape: dict):
         return Qwen3_5ForCausalLM(config)
 
 
+@functools.lru_cache(maxsize=8)
 def preset_shape(name: str, layers: int | None = None) -> TargetShape:
     """A named target shape: '27b' (Qwen3.5-27B's text model) or 'demo' (the built-in demo's target).
     `layers` shortens a preset to that many decoder layers (same width: what a validation run loads)."""
