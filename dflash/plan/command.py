@@ -29,7 +29,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help=f"a local model directory (its config.json is read, no weights) "
                    f"or a preset: {', '.join(PRESETS)}")
     p.add_argument("--card", help=f"a named card: {', '.join(CARDS)}")
-    p.add_argument("--card-gb", type=float, help="the card's memory in GB (with --card: overrides its memory)")
+    p.add_argument("--card-gb", type=float, help="the card's memory in GB of 10^9 bytes, as torch.cuda.mem_get_info "
+                   "reports it (a '96 GB' card: about 102); with --card: overrides its memory")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (processes) in the run")
     p.add_argument("--layout", choices=LAYOUTS, help="only this layout (default: every one)")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch per rank")
@@ -78,7 +79,7 @@ def _text(target, drafter, mb, card, gpus, options, best) -> str:
     out = [f"target {target.name}: {target.params / 1e9:.2f} B parameters, {target.layers} layers, hidden {target.hidden}, "
            f"vocabulary {target.vocab}; drafter {drafter.layers} layers, {drafter.params / 1e9:.2f} B parameters, "
            f"block {drafter.block_size}",
-           f"micro-batch per rank: {mb.describe()}; {gpus} x {card.name} ({card.memory_gb:g} GB)", ""]
+           f"micro-batch per rank: {mb.describe()}; {gpus} x {card.name} ({card.memory_gb:g} GB usable)", ""]
     for o in options:
         if not o.ranks:
             out.append(f"{o.layout:<10} -  {o.why_not}")
@@ -95,7 +96,7 @@ def _text(target, drafter, mb, card, gpus, options, best) -> str:
 def _table(target, drafter, mb, args) -> tuple[str, list[dict]]:
     """Every named card x TABLE_GPUS: the best layout for the micro-batch, or for the largest one that fits."""
     rows = []
-    lines = ["| card | GPUs | micro-batch per rank | layout | per-rank peak | predicted tokens/s |",
+    lines = ["| card (GB usable) | GPUs | micro-batch per rank | layout | per-rank peak | predicted tokens/s |",
              "|---|---|---|---|---|---|"]
     for key, card in CARDS.items():
         for gpus in TABLE_GPUS:
@@ -104,7 +105,7 @@ def _table(target, drafter, mb, args) -> tuple[str, list[dict]]:
                                  micro_batches=args.micro_batches)
             rows.append({"card": key, "gpus": gpus, "micro_batch": vars(found[0]) if found else None,
                          "best": found[1].to_dict() if found else None})
-            name = f"{card.name} ({card.memory_gb:g} GB)"
+            name = f"{card.name} ({card.memory_gb:g})"
             if found:
                 fit_mb, best = found
                 lines.append(f"| {name} | {gpus} | {fit_mb.describe()} | {best.label} | {best.peak_gb:.1f} GB | "

@@ -37,17 +37,20 @@ REFERENCE = dict(batch=2, seq_len=4096, anchors=512)  # the micro-batch the phas
 @dataclass(frozen=True)
 class Card:
     name: str
-    memory_gb: float
+    memory_gb: float         # what torch sees (10^9 bytes): the "141 GB" H200 reports 150.1
     bf16_tflops: float       # dense bf16 tensor-core peak (data sheet)
     link_gbps: float         # GPU-to-GPU, GB/s one way (NVLink, or PCIe where cards have no NVLink)
     host_gbps: float = 25.0  # host <-> GPU copies of pinned memory, GB/s
     host_mem_gbps: float = 40.0  # host memory bandwidth available to the CPU AdamW step, GB/s
 
 
+# Memory as torch.cuda.mem_get_info reports it (10^9 bytes; the names say GiB): H200 143,771 MiB (150.1 GB
+# total on the H200 measured here), RTX PRO 6000 Blackwell 96 GiB (102 GB, the cap the issue measured
+# with), RTX 5090 32 GiB less the driver's share (32,607 MiB: 34.2 GB).
 CARDS = {
-    "h200": Card("H200", 141.0, 989.0, 450.0, host_gbps=50.0),
-    "rtx-pro-6000": Card("RTX PRO 6000 Blackwell", 96.0, 504.0, 50.0),
-    "rtx-5090": Card("RTX 5090", 32.0, 209.0, 50.0),
+    "h200": Card("H200 141 GB", 150.1, 989.0, 450.0, host_gbps=50.0),
+    "rtx-pro-6000": Card("RTX PRO 6000 96 GB", 102.0, 504.0, 50.0),
+    "rtx-5090": Card("RTX 5090 32 GB", 34.2, 209.0, 50.0),
 }
 H200 = CARDS["h200"]
 

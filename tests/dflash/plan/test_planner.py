@@ -23,7 +23,7 @@ def shapes():
 # card, GPUs -> the best layout at the standard micro-batch (None: nothing fits it)
 EXPECTED = {
     ("h200", 1): "replicate", ("h200", 2): "shard", ("h200", 8): "shard",
-    ("rtx-pro-6000", 1): "offload", ("rtx-pro-6000", 2): "pipeline", ("rtx-pro-6000", 8): "shard",
+    ("rtx-pro-6000", 1): "offload", ("rtx-pro-6000", 2): "shard", ("rtx-pro-6000", 8): "shard",
     ("rtx-5090", 1): None, ("rtx-5090", 2): None, ("rtx-5090", 8): None,
 }
 
@@ -41,18 +41,22 @@ def test_best_layout_per_card_and_count(shapes, card, gpus):
 
 
 def test_replicate_does_not_fit_a_96_gb_card_and_offload_does(shapes):
-    """The issue's finding: 2 x 4096 at 512 anchors runs out of memory on a 96 GB card as today's layout."""
+    """The issue's finding: 2 x 4096 at 512 anchors runs out of memory on a 96 GB card (102 GB usable) as
+    today's layout, measured with the H200 capped at 102 GB."""
     target, drafter = shapes
     options = {o.layout: o for o in plan(target, drafter, STANDARD, CARDS["rtx-pro-6000"], 1)[0]}
     assert not options["replicate"].fits and options["offload"].fits
     assert "pipeline needs a rank for the drafter" in options["pipeline"].why_not
+    # and what did fit under that cap: 256 anchors per sequence, or 1 sequence with 512
+    for smaller in (MicroBatch(2, 4096, 256), MicroBatch(1, 4096, 512)):
+        assert plan(target, drafter, smaller, CARDS["rtx-pro-6000"], 1, layouts=("replicate",))[1] is not None
 
 
 def test_eight_32_gb_cards_fit_a_smaller_micro_batch_with_the_target_pipelined(shapes):
     target, drafter = shapes
     mb, best = best_fitting(target, drafter, STANDARD, CARDS["rtx-5090"], 8)
     assert best.layout == "pipeline" and mb.anchors < STANDARD.anchors
-    assert best.peak_gb <= 32
+    assert best.peak_gb <= CARDS["rtx-5090"].memory_gb
     assert best_fitting(target, drafter, STANDARD, CARDS["rtx-5090"], 1) is None  # 53.8 GB of target alone
 
 
@@ -68,7 +72,7 @@ def test_throughput_reproduces_the_measured_h200_step(shapes):
 
 
 def test_card_arguments():
-    assert card_from_args("H200", None).memory_gb == 141
+    assert card_from_args("H200", None).memory_gb == 150.1
     assert card_from_args(None, 48).memory_gb == 48
     assert card_from_args("rtx-5090", 30).memory_gb == 30
     with pytest.raises(ConfigError, match="unknown card; choose one of h200, rtx-pro-6000, rtx-5090"):
