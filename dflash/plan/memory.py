@@ -20,20 +20,21 @@ Terms (bytes), from the code (dflash.train.step, dflash.model.drafter, dflash.tr
                       bytes, twice while the hooks' copies and the concatenation both live, + one layer's
                       working set; modelled as c_target x B x T x H bytes (c_target measured)
   drafter_activations what the drafter's forward keeps for its backward and the fused head's transients,
-                      at the worst moment of the step (end of the forward / inside the backward):
+                      at the worst moment of the step (on the H200 always the end of the forward, with
+                      the head's chunks):
                         c_layer x L x R x H  +  c_ctx x B x T x H  +  c_mask x B x Q x (T + Q)
-                        + c_logit x min(M, 2048) x V  +  c_param x P
-                      (c_param x P: autocast's bf16 copies of the weights and, in the backward, the
-                      gradients as they arrive; the other terms scale with the micro-batch)
+                        + c_logit x min(M, 2048) x V
                       (M ~ R x (bs-1)/bs scored rows; 2048: LOSS_CHUNK_ROWS). The c are bytes per element,
                       measured on the H200 (bench/bench_plan.py fits them on calibration shapes and checks
                       the model on others); in fp32 every activation byte count doubles.
+  weights_in_flight   c_param x P / D: autocast's bf16 copies of the weights during the drafter's step
   cuda_context        the CUDA context and kernels' module images, outside torch's allocator: CONTEXT_GB
   allocator           reserved-but-unallocated blocks of the caching allocator: ALLOCATOR_SLACK x the rest
 
-The peak is the largest of three moments: the target's forward (grads not yet allocated), the drafter's
-forward/backward (activations + gradients as they arrive), the optimizer step (all gradients, no
-activations): `rank_peaks` returns each rank's terms at its worst moment.
+The peak is the largest of three moments: the target's forward (static terms + target_forward), the
+drafter's step (static + weights_in_flight + gathered_units + drafter_activations), the optimizer step
+(static + gradients): `rank_peaks` returns each rank's terms at its worst moment. Static: target_weights,
+drafter_weights, optimizer_state, ddp_buckets.
 """
 
 from __future__ import annotations
