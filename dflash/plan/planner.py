@@ -179,7 +179,8 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     mb = MicroBatch(per_rank, mb.seq_len, mb.anchors)
     card = Card(f"{card_gb:.1f} GB visible", card_gb, CARDS["h200"].bf16_tflops, CARDS["h200"].link_gbps)
     precision = "fp32" if config.runtime.precision == "fp32" else "bf16"
-    stages = getattr(config.runtime, "target_stages", 0)
+    # the run's split (--target-stages, 0: half the ranks), never the search `option` makes for target_stages 0
+    stages = pipeline_stages(world, getattr(config.runtime, "target_stages", 0)) if layout == "pipeline" else 0
     chosen = option(target, drafter, mb, layout, world, card, precision=precision, target_stages=stages)
     if chosen.fits:
         return
@@ -196,8 +197,8 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     others = [o for o in plan(target, drafter, mb, card, world, precision=precision)[0] if o.fits and o.layout != layout]
     if others:
         best = max(others, key=lambda o: o.tokens_per_s)
-        stages = f" --target-stages {best.detail['target_stages']}" if best.layout == "pipeline" else ""
-        hints.append(f"--layout {best.layout}{stages} fits this micro-batch ({best.peak_gb:.1f} GB per rank)")
+        split = f" --target-stages {best.detail['target_stages']}" if best.layout == "pipeline" else ""
+        hints.append(f"--layout {best.layout}{split} fits this micro-batch ({best.peak_gb:.1f} GB per rank)")
     if not hints:
         hints.append(f"no layout fits {world} card(s) of {card_gb:.1f} GB; use more GPUs (dflash plan --target "
                      f"{target_path} --card-gb {card_gb:.0f} --gpus N shows what fits)")

@@ -54,3 +54,17 @@ def test_a_run_that_fits_starts_and_a_cpu_run_is_not_checked(tiny, tmp_path):
     check_training_fits(config, 1, card_gb=None)     # a CPU: no check
     with pytest.raises(TrainError, match="no layout fits 1 card"):
         check_training_fits(config, 1, card_gb=0.1)  # below the CUDA context alone
+
+
+def test_the_checked_micro_batch_is_each_ranks_share(tiny, tmp_path):
+    """--batch-size is summed over the ranks: 4 sequences on 2 ranks is 2 per rank (and --max-tokens caps
+    it); the message names the layout the run asked for."""
+    target, data = tiny
+    config = train_config(train_args(target, data, tmp_path / "run", batch_size=4, max_tokens=512, max_length=96,
+                                     max_anchors=8))
+    with pytest.raises(TrainError, match=r"--layout shard will not fit: a micro-batch of 2 x 96, 8 anchors/seq"):
+        check_training_fits(config, 2, card_gb=0.1, layout="shard")
+    tight = train_config(train_args(target, data, tmp_path / "run", batch_size=4, max_tokens=192, max_length=96,
+                                    max_anchors=8))
+    with pytest.raises(TrainError, match=r"a micro-batch of 1 x 96, 8 anchors/seq"):
+        check_training_fits(tight, 2, card_gb=0.1, layout="shard")
