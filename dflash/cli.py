@@ -1,4 +1,4 @@
-"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,export,regenerate,report,doctor,healthcheck}`.
+"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,export,regenerate,report,plan,doctor,healthcheck}`.
 
     dflash-train                                          the built-in demo, end to end (prints tau)
     dflash-train --target DIR --data FILE.jsonl --out DIR train a drafter (every option: --help)
@@ -10,6 +10,7 @@
     dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl   responses by the target itself
     dflash regenerate --endpoint URL --model NAME --data IN.jsonl --out OUT.jsonl   ... by a vLLM/SGLang server
     dflash report RUN_DIR                                 plots and a summary of a run (also written at its end)
+    dflash plan --target 27b --card rtx-pro-6000 --gpus 8 which --layout fits, per-rank memory, tokens/s
     dflash doctor [...] / dflash healthcheck [...]        kernel report / the image's health check
 
 `dflash-train` is the image's entrypoint, so `docker run dflash-train doctor` must reach the doctor:
@@ -228,6 +229,12 @@ def _report(argv) -> int:
     return 0
 
 
+def _plan(argv) -> int:
+    from dflash.plan.command import main as plan_main
+
+    return plan_main(argv)
+
+
 # --- dflash ----------------------------------------------------------------------------------------
 def _doctor_command(module: str):
     """A subcommand of the doctor package: imported when run (it must work without a GPU, and the health
@@ -252,6 +259,7 @@ COMMANDS: dict[str, Subcommand] = {
     "export": Subcommand(_export, "convert an older project drafter into the reference DFlash layout"),
     "regenerate": Subcommand(_regenerate, "rewrite a chat JSONL's answers with the target's own responses"),
     "report": Subcommand(_report, "plots and a summary of a training run (RUN_DIR/report)"),
+    "plan": Subcommand(_plan, "which --layout fits a card: each rank's predicted peak memory and tokens/s"),
     "doctor": Subcommand(_doctor_command("dflash.doctor.doctor"),
                          "report the GatedDeltaNet kernels, versions and arch coverage", framed=False),
     "healthcheck": Subcommand(_doctor_command("dflash.doctor.healthcheck"),

@@ -350,14 +350,16 @@ def load_target(config: TrainConfig, device: torch.device, path=None):
 
 
 def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
-          on_step: Callable[[int, dict], None] | None = None, handle_signals: bool = True) -> TrainResult:
+          on_step: Callable[[int, dict], None] | None = None, handle_signals: bool = True,
+          card_gb_for_tests: float | None = None) -> TrainResult:
     """Train a drafter as `config` says; returns when done, stopped by a signal, or on an error.
 
     `target` and `items` (dicts with input_ids/loss_mask LongTensor[T]) skip loading them from
     --target / --data. `on_step(step, metrics)` runs after every optimizer step; when it returns True the
     run stops as if it got SIGTERM (checkpoint, then return). The run holds its directory for its whole
     length (dflash.train.rundir: a second run into it stops at once; an old run there is refused unless
-    --resume or --overwrite).
+    --resume or --overwrite). `card_gb_for_tests` stands in a card of that many GB for the memory check
+    (dflash.train.precheck.check_memory), which otherwise reads the visible GPU and skips a CPU.
     """
     d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
     run = RunDir(config.io.out)
@@ -368,7 +370,8 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
         stop = StopFlag().install() if handle_signals else StopFlag()
         try:
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
-            check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
+            check_before_loading(config, data=items is None, target=target is None,  # seconds, not minutes
+                                 world_size=d.world_size, device=d.device, card_gb_for_tests=card_gb_for_tests)
             if target is None:
                 target = load_target(config, d.device)
             if items is None:
