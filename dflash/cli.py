@@ -64,11 +64,25 @@ def train_config(argv: list[str]) -> TrainConfig:
 
 def _train(argv) -> int:
     config = train_config(argv)
+    specs = _drafter_specs(argv, config)
     if config.is_demo:
+        if specs:
+            raise ConfigError("several drafters per run need --target and --data (the built-in demo trains one).")
         from dflash.demo.pipeline import run_demo
         return run_demo(config)
     from dflash.train.trainer import train
+    if specs:
+        from dflash.train.multi import train_multi
+        return train_multi(config, specs).exit_code
     return train(config).exit_code
+
+
+def _drafter_specs(argv: list[str], config: TrainConfig) -> list:
+    """The drafters of a several-drafter run (the --config file's `drafters`, or a resumed run's); [] for one."""
+    from dflash.config.drafters import resolve_drafters
+
+    config_file = getattr(train_parser().parse_args(argv), "config", None)
+    return resolve_drafters(config_file, config.io.out, config.io.resume)
 
 
 def train_main(argv: list[str] | None = None) -> int:
