@@ -228,17 +228,27 @@ def report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash report", description="Plots (loss, per-position acceptance, tau, "
                                 "throughput) and a Markdown summary of a dflash-train run, from its metrics.jsonl, "
                                 "into RUN_DIR/report. Every run writes them at its end; this writes them again, "
-                                "also while the run goes on.")
+                                "also while the run goes on. A run of several drafters gets each drafter's report "
+                                "and one table and plot comparing them (RUN_DIR/report/compare.md, compare.png).")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the --out dir of a dflash-train run")
     add_version(p)
     return p
 
 
 def _report(argv) -> int:
+    from dflash.train.run_compare import is_multi_run, write_comparison
     from dflash.train.run_report import write_report
 
     args = report_parser().parse_args(argv)
-    print(f"wrote {write_report(args.run_dir, warn=lambda m: print(f'dflash report: warning: {m}', file=sys.stderr))}")
+    warn = lambda m: print(f"dflash report: warning: {m}", file=sys.stderr)  # noqa: E731
+    if not is_multi_run(args.run_dir):
+        print(f"wrote {write_report(args.run_dir, warn=warn)}")
+        return 0
+    from dflash.config.drafters import drafter_out, read_plan
+
+    for spec in read_plan(args.run_dir):  # each drafter's own report, then the table and plot of all
+        print(f"wrote {write_report(drafter_out(args.run_dir, spec.name), warn=warn)}")
+    print(f"wrote {write_comparison(args.run_dir)}")
     return 0
 
 
