@@ -26,7 +26,7 @@ drafter is 1.394 s and each further drafter adds 0.568 s):
 Memory: one 5-layer drafter at this shape has 1.84B parameters, 29.4 GB of fp32 weights, gradients and
 AdamW moments; three of them (88 GB) beside the 54 GB target leave about 8 GB of the H200's 150 GB for
 activations, under what one micro-batch of 2 x 4096 tokens needs, so K = 3 is expected not to fit with
-5-layer drafters: the fallback measures K = 1, 2, 3 with 3-layer drafters (1.1B parameters, 17.6 GB each).
+5-layer drafters: the fallback measures K = 1, 2, 3 with 3-layer drafters (1.15B parameters, 18.5 GB each).
 """
 
 from __future__ import annotations
