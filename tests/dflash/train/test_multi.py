@@ -170,3 +170,17 @@ def test_two_drafters_under_two_gloo_processes_match_one_process(tmp_path):
         w1, w2 = _weights(drafter_out(outs[1], name)), _weights(drafter_out(outs[2], name))
         for key in w1:
             torch.testing.assert_close(w2[key], w1[key], rtol=1e-4, atol=1e-6)
+
+
+def test_a_run_of_several_drafters_is_kept_unless_overwritten(tiny, tmp_path, capsys):
+    target, data = tiny
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "run"
+    argv = train_args(target, data, out, max_steps=1) + ["--config", str(sweep)]
+    assert train_main(argv) == 0
+    assert train_main(argv) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    (out / "keep.txt").write_text("not the run's")
+    assert train_main(argv + ["--overwrite"]) == 0
+    assert (out / "keep.txt").is_file() and [m["step"] for m in read_metrics(drafter_out(out, "b4"))] == [1]
