@@ -17,10 +17,10 @@ before anything loads.
     [drafters.optim]                          ... or in section tables
     lr = 3e-4
 
-Only options that leave the target pass and the data order alone can differ between drafters
-(PER_DRAFTER): the drafter's shape and blocks, its loss decay and its optimizer. The others are one
-value for the whole run (a drafter that names one fails, saying why), since every drafter sees the same
-micro-batches in the same order, and the same tapped target states.
+Only options that leave the data order alone can differ between drafters (PER_DRAFTER): the drafter's
+shape, tapped target layers (the one target pass taps their union: dflash.train.taps) and blocks, its loss
+decay and its optimizer. The others are one value for the whole run (a drafter that names one fails,
+saying why), since every drafter sees the same micro-batches in the same order.
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from dflash.errors import ConfigError
 
 # Options each drafter may set for itself.
 PER_DRAFTER = frozenset({
-    "block_size", "drafter_layers", "sliding_window", "drafter_dtype", "max_anchors", "gamma",
+    "block_size", "drafter_layers", "sliding_window", "target_layer_ids", "drafter_dtype", "max_anchors", "gamma",
     "lr", "weight_decay", "warmup_ratio", "grad_clip",
 })
 # Why the options most likely to be tried cannot differ (the rest: "it is a setting of the whole run").
 SHARED_BECAUSE = {
-    "target_layer_ids": "the one target pass taps the same layers for every drafter",
     "mask_token": "the one target pass and every drafter's blocks use the same mask token",
     "init_drafter": "its config.json fixes the tapped target layers and mask token of the one target pass",
     "max_length": "every drafter trains on the same tokenised sequences",

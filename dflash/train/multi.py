@@ -8,8 +8,9 @@ Each drafter is a full Trainer (dflash.train.trainer) of its own config, run dir
 metrics and, under torchrun, its own DDP wrapper. This module only drives them together:
 
     per micro-batch   the data order's next indices (one DataOrder, shared), this rank's items collated once,
-                      target.context once; then for each drafter: its anchors (its own --max-anchors, from
-                      the same per-sequence generators a run of it alone uses), forward, backward
+                      target.context once (tapping the union of the drafters' layers: dflash.train.taps);
+                      then for each drafter: its columns of it, its anchors (its own --max-anchors, from the
+                      same per-sequence generators a run of it alone uses), forward, backward
     per step          each drafter's clip, AdamW and LR step, metrics record, checkpoint (same steps)
     at the end        each drafter's last checkpoint and exported drafter
 
@@ -46,6 +47,7 @@ from dflash.train.monitor import setup_logging
 from dflash.train.precheck import check_before_loading, check_resume_checkpoint
 from dflash.train.rundir import RunDir
 from dflash.train.signals import StopFlag
+from dflash.train.taps import TargetView, tapped_layers, union
 from dflash.train.trainer import Trainer, TrainResult, attention_impl, load_target
 
 log = logging.getLogger("dflash.train")
@@ -103,18 +105,18 @@ def _target_bytes_and_shape(config: TrainConfig, target) -> tuple[int, dict]:
     if target is not None:
         c = target.config
         n = sum(p.numel() * p.element_size() for p in target.model.parameters()) if hasattr(target, "model") else 0
-        return n, dict(hidden=target.hidden_size, layers=target.num_layers, config=c, tapped=len(target.layer_ids))
-    from dflash.model.target import default_layer_ids, read_target_config, resolve_target
+        return n, dict(hidden=target.hidden_size, layers=target.num_layers, config=c)
+    from dflash.model.target import read_target_config, resolve_target
 
     path = resolve_target(config.io.target)
     text = read_target_config(path).get_text_config()
     files = sum(f.stat().st_size for f in path.glob("*.safetensors")) or sum(f.stat().st_size for f in path.glob("*.bin"))
-    ids = config.model.target_layer_ids or default_layer_ids(int(text.num_hidden_layers))
-    return files, dict(hidden=int(text.hidden_size), layers=int(text.num_hidden_layers), config=text, tapped=len(ids))
+    return files, dict(hidden=int(text.hidden_size), layers=int(text.num_hidden_layers), config=text)
 
 
-def check_memory(configs: dict[str, TrainConfig], target, device: torch.device) -> None:
-    """`check_drafters_fit` for these drafters on `device` (a GPU; a CPU run is left to the host's memory)."""
+def check_memory(configs: dict[str, TrainConfig], target, device: torch.device, tapped: dict[str, int]) -> None:
+    """`check_drafters_fit` for these drafters (`tapped`: each one's count of tapped target layers) on `device`
+    (a GPU; a CPU run is left to the host's memory)."""
     if device.type != "cuda":
         return
     first = next(iter(configs.values()))
@@ -124,7 +126,7 @@ def check_memory(configs: dict[str, TrainConfig], target, device: torch.device) 
     kv = int(getattr(c, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
     params = {name: drafter_param_count(hidden, heads, kv, head_dim, int(c.intermediate_size),
-                                        cfg.model.drafter_layers, shape["tapped"]) for name, cfg in configs.items()}
+                                        cfg.model.drafter_layers, tapped[name]) for name, cfg in configs.items()}
     check_drafters_fit(params, target_bytes, torch.cuda.get_device_properties(device).total_memory)
 
 
@@ -134,12 +136,14 @@ class MultiTrainer:
 
     def __init__(self, configs: dict[str, TrainConfig], target, items: list[dict], d: distributed.Dist,
                  stop: StopFlag, on_step: Callable[[int, dict], bool] | None = None,
-                 eval_items: list[dict] | None = None):
+                 eval_items: list[dict] | None = None, layers: dict[str, list[int]] | None = None):
+        """`layers`: each drafter's tapped target layers when they are not all the target's (dflash.train.taps)."""
         self.target, self.d, self.stop, self.on_step = target, d, stop, on_step
         self.lanes: dict[str, Trainer] = {}
         self.rng: dict[str, dict] = {}
         for name, config in configs.items():
-            lane = Trainer(config, target, items, d, stop, None, eval_items)  # seeds the RNG, then inits
+            sees = TargetView(target, layers[name]) if layers and layers[name] != list(target.layer_ids) else target
+            lane = Trainer(config, sees, items, d, stop, None, eval_items)  # seeds the RNG, then inits
             lane.heartbeat = None  # the run beats once, below
             self.rng[name] = ckpt.capture_rng()  # this drafter's stream, as a run of it alone has it now
             self.lanes[name] = lane
@@ -195,7 +199,8 @@ class MultiTrainer:
             for name, lane in self.lanes.items():
                 with self._own_rng(name):
                     anchors = lane._anchors(epoch, mine, items)
-                    sums = lane._micro_step(batch, anchors, sync=k == accum - 1, context=context)
+                    mine_context = lane.target.select(context) if isinstance(lane.target, TargetView) else context
+                    sums = lane._micro_step(batch, anchors, sync=k == accum - 1, context=mine_context)
                 totals[name] = sums.pack() if name not in totals else totals[name] + sums.pack()
             if self.heartbeat:
                 self.heartbeat.beat(self.step)
@@ -263,6 +268,27 @@ class MultiTrainer:
             log.warning("could not compare the drafters: %s (run `dflash report %s` to retry)", exc, root)
 
 
+def _drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target) -> dict[str, list[int]]:
+    """Each drafter's tapped target layers, checked against the target's config.json (or the `target` given)
+    before any weight loads."""
+    if target is not None:
+        return tapped_layers(configs, target.num_layers, loaded=target.layer_ids)
+    from dflash.io.fit import target_shape
+    from dflash.train.precheck import check_target_cheaply
+
+    for name, cfg in configs.items():  # a drafter's own layers: in range, and ones the serving engines tap
+        if cfg.model.target_layer_ids != config.model.target_layer_ids:
+            try:
+                check_target_cheaply(cfg)
+            except DflashError as exc:
+                raise type(exc)(f"drafter '{name}': {exc}") from None
+    if config.model.init_drafter:  # its config.json fixes the layers of every drafter
+        from dflash.io.drafter import read_drafter_config
+
+        return {name: list(read_drafter_config(config.model.init_drafter).target_layer_ids) for name in configs}
+    return tapped_layers(configs, target_shape(config.io.target).num_layers)
+
+
 def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, items: list[dict] | None = None,
                 on_step: Callable[[int, dict], bool] | None = None, handle_signals: bool = True) -> MultiResult:
     """Train the drafters `specs` names on one pass of `config`'s target and data (as train() does one).
@@ -282,9 +308,11 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
             check_before_loading(config.replace(resume=False), data=items is None, target=target is None)
             for cfg in configs.values():
                 check_resume_checkpoint(cfg)
-            check_memory(configs, target, d.device)
-            if target is None:
-                target = load_target(config, d.device)
+            layers = _drafter_layers(config, configs, target)
+            check_memory(configs, target, d.device, {name: len(ids) for name, ids in layers.items()})
+            if target is None:  # tapping every drafter's layers
+                target = load_target(config.replace(target_layer_ids=union(layers)) if not config.model.init_drafter
+                                     else config, d.device)
             if items is None:
                 items = load_items(config, target)
             items, eval_items = eval_split(config, target, items)
@@ -294,7 +322,7 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
                 for cfg in configs.values():
                     Path(cfg.io.out).mkdir(parents=True, exist_ok=True)
                     cfg.to_json(RunDir(cfg.io.out).config)
-            trainer = MultiTrainer(configs, target, items, d, stop, on_step, eval_items)
+            trainer = MultiTrainer(configs, target, items, d, stop, on_step, eval_items, layers)
             if config.io.resume:
                 trainer.restore()
             log.info("training %d drafters (%s) for %d steps on %d sequences, one target pass, world size %d, "

@@ -52,7 +52,7 @@ def test_yaml_and_json_list_drafters_too(tmp_path, suffix, text):
     ('[[drafters]]\nname = "a"\nblock-sise = 8\n', "Did you mean 'block-size'"),
     ('[[drafters]]\nname = "a"\nmax-length = 512\n', "'max_length' cannot differ between drafters: every drafter "
                                                      "trains on the same tokenised sequences"),
-    ('[[drafters]]\nname = "a"\ntarget-layer-ids = [1, 2]\n', "the one target pass taps the same layers"),
+    ('[[drafters]]\nname = "a"\nmask-token = "<m>"\n', "the one target pass and every drafter's blocks use the same mask"),
     ('[[drafters]]\nname = "a"\n[drafters.optim]\nseed = 3\n', "it fixes the data order"),
     ('[[drafters]]\nname = "a"\nlog-every = 3\n', "it is a setting of the whole run"),
     ('[[drafters]]\nname = "a"\nblock-size = "big"\n', "drafter 'a': 'block-size' is 'big'; it must be int"),

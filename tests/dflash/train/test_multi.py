@@ -14,7 +14,8 @@ from dflash.train.multi import check_drafters_fit, drafter_param_count, drafter_
 from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
-# Two drafters that differ in block size, depth, anchors, loss decay and learning rate.
+# Two drafters that differ in block size, depth, tapped target layers (the tiny target's default is [2]: the
+# target pass taps [0, 1, 2]), anchors, loss decay and learning rate.
 SWEEP = """
 [[drafters]]
 name = "b4"
@@ -23,6 +24,7 @@ name = "b4"
 name = "b6-deep"
 block-size = 6
 drafter-layers = 2
+target-layer-ids = [0, 1]
 max-anchors = 5
 [drafters.model]
 gamma = 3.0
@@ -30,7 +32,8 @@ gamma = 3.0
 lr = 1e-3
 warmup-ratio = 0.2
 """
-ALONE = {"b4": {}, "b6-deep": dict(block_size=6, drafter_layers=2, max_anchors=5, gamma=3.0, lr=1e-3, warmup_ratio=0.2)}
+ALONE = {"b4": {}, "b6-deep": dict(block_size=6, drafter_layers=2, target_layer_ids="0,1", max_anchors=5, gamma=3.0,
+                                   lr=1e-3, warmup_ratio=0.2)}
 TIMING = ("tokens_per_s", "mfu", "gpu_mem_gib")
 
 
@@ -65,6 +68,7 @@ def test_two_drafters_on_one_target_pass_equal_two_runs_alone(tiny, tmp_path):
             assert torch.equal(mine[key], theirs[key]), (name, key)
         assert _numbers(read_metrics(together)) == _numbers(read_metrics(alone))
         assert (RunDir(together).report / "report.md").is_file()
+        assert (RunDir(together).drafter / "config.json").read_text() == (RunDir(alone).drafter / "config.json").read_text()
     assert not RunDir(out).drafter.exists() and (out / "train.log").is_file()
     compare = (RunDir(out).report / "compare.md").read_text()
     rows = [line for line in compare.splitlines() if line.startswith("| b")]
@@ -184,3 +188,14 @@ def test_a_run_of_several_drafters_is_kept_unless_overwritten(tiny, tmp_path, ca
     (out / "keep.txt").write_text("not the run's")
     assert train_main(argv + ["--overwrite"]) == 0
     assert (out / "keep.txt").is_file() and [m["step"] for m in read_metrics(drafter_out(out, "b4"))] == [1]
+
+
+def test_a_drafter_tapping_a_layer_the_engines_cannot_tap_is_refused(tiny, tmp_path, capsys):
+    target, data = tiny
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('[[drafters]]\nname = "a"\n[[drafters]]\nname = "last"\ntarget-layer-ids = [1, 3]\n')
+    out = tmp_path / "run"
+    assert train_main(train_args(target, data, out) + ["--config", str(sweep)]) != 0
+    assert "drafter 'last': the drafter could not be served: target layer id 3 is the target's last layer" \
+        in capsys.readouterr().err
+    assert not (out / "drafters").exists()  # refused before the target loaded and the drafters were written
