@@ -199,3 +199,23 @@ def test_a_drafter_tapping_a_layer_the_engines_cannot_tap_is_refused(tiny, tmp_p
     assert "drafter 'last': the drafter could not be served: target layer id 3 is the target's last layer" \
         in capsys.readouterr().err
     assert not (out / "drafters").exists()  # refused before the target loaded and the drafters were written
+
+
+def test_each_drafter_evaluates_as_it_would_alone(tiny, tmp_path):
+    """With an evaluation split and tau measured by speculative decoding, each drafter's evaluation records
+    (its own target view: the drafter tapping layers 0 and 1 gets only those) equal a run of it alone."""
+    target, data = tiny
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(SWEEP)
+    common = dict(max_steps=2, eval_fraction=0.25, eval_tau_prompts=2, eval_new_tokens=8)
+    out = tmp_path / "both"
+    assert train_main(train_args(target, data, out, **common) + ["--config", str(sweep)]) == 0
+    alone = tmp_path / "alone"
+    assert train_main(train_args(target, data, alone, **common, **ALONE["b6-deep"])) == 0
+
+    def evals(run):
+        return [{k: v for k, v in m.items() if k not in TIMING + ("eval_s",)}
+                for m in read_metrics(run) if m.get("split") == "eval"]
+
+    mine = evals(drafter_out(out, "b6-deep"))
+    assert mine and "tau" in mine[-1] and mine == evals(alone)
