@@ -232,7 +232,8 @@ class MultiTrainer:
             while self.step < self.total_steps:
                 records = self._optimizer_step()
                 for name, m in records.items():
-                    self.lanes[name].monitor.step(m)
+                    with self._own_rng(name):  # a due evaluation runs with this drafter's stream too
+                        self.lanes[name].monitor.step(m)
                     result.results[name].history.append(m)
                 bar.update(1)
                 bar.set_postfix({name: f"{m['loss']:.3f}" for name, m in records.items()})
@@ -256,7 +257,6 @@ class MultiTrainer:
         result.step = self.step
         result.exit_code = self.stop.exit_code if result.stopped_by else 0
         return result
-
 
     def _compare(self) -> None:
         from dflash.train.run_compare import write_comparison

@@ -219,3 +219,15 @@ def test_each_drafter_evaluates_as_it_would_alone(tiny, tmp_path):
 
     mine = evals(drafter_out(out, "b6-deep"))
     assert mine and "tau" in mine[-1] and mine == evals(alone)
+
+
+def test_resume_refuses_drafters_checkpointed_at_different_steps(tiny, tmp_path, capsys):
+    target, data = tiny
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "run"
+    assert train_main(train_args(target, data, out, max_steps=2, save_every=1) + ["--config", str(sweep)]) == 0
+    # as if the run had stopped after writing b4's step-2 checkpoint and before b6-deep's
+    (RunDir(drafter_out(out, "b6-deep")).checkpoints / "latest").write_text("step-00000001\n")
+    assert train_main(["--out", str(out), "--resume", "--max-steps", "3", "--no-progress"]) == 3
+    assert "not at the same step (b4 at step 2, b6-deep at step 1)" in capsys.readouterr().err
