@@ -332,5 +332,12 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
         except DflashError as exc:
             log.error("stopped: %s", exc)
             raise
+        except OSError as exc:  # metrics.jsonl, trackers, the reports: writes of the run that no error wraps
+            if exc.errno not in ckpt.DISK_ERRNOS:
+                raise
+            first = RunDir(next(iter(configs.values())).io.out)  # the drafters checkpoint at the same steps
+            error = ckpt.disk_error(exc, config.io.out, first.checkpoints)
+            log.error("stopped: %s", error)
+            raise error from None
         finally:
             stop.uninstall()

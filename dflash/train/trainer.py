@@ -28,7 +28,7 @@ from dflash.train import checkpoint as ckpt
 from dflash import distributed
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.config import TrainConfig
-from dflash.data.batches import DataOrder, data_fingerprint, item_lengths, load_items
+from dflash.data.batches import DataOrder, collate, data_fingerprint, item_lengths, load_items
 from dflash.train.heartbeat import Heartbeat
 from dflash.errors import CheckpointError, ConfigError, DflashError, TrainError
 from dflash.train.precheck import check_before_loading
@@ -198,8 +198,6 @@ class Trainer:
 
     def _collate_shard(self, epoch: int, indices: list[int]) -> tuple[dict, list[torch.Tensor]]:
         """This rank's share of a global micro-batch, collated, with each sequence's anchors."""
-        from dflash.data.batches import collate
-
         mine, items = self._shard(indices)
         anchors = self._anchors(epoch, mine, items)
         batch = collate(items, self.pad_id)
@@ -207,8 +205,7 @@ class Trainer:
 
     def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool,
                     context: torch.Tensor | None = None) -> StepSums:
-        """Forward + backward of one micro-batch (gradients accumulate); returns its sums, detached.
-        `context`: the target's tapped states of `batch` when already computed (dflash.train.multi)."""
+        """Forward + backward of one micro-batch (gradients accumulate; `context`: see micro_batch_sums)."""
         model = self.config.model
         # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
         try:
@@ -217,9 +214,8 @@ class Trainer:
                                         gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context)
                 backward(sums, self.d, self.config.optim.grad_accum)
         except torch.OutOfMemoryError as exc:
-            n = sum(int(a.numel()) for a in anchors)
-            raise TrainError(oom_message(self.config, tuple(batch["input_ids"].shape), n,
-                                          self.target.vocab_size)) from exc
+            raise TrainError(oom_message(self.config, tuple(batch["input_ids"].shape),
+                                         sum(int(a.numel()) for a in anchors), self.target.vocab_size)) from exc
         return sums.detached()
 
     def _optimizer_step(self) -> dict:
@@ -237,8 +233,7 @@ class Trainer:
 
     def _apply_step(self, totals: torch.Tensor) -> dict:
         """Clip, AdamW step, LR step on the accumulated gradients; the step's metrics from `totals`."""
-        cfg = self.config
-        clip = cfg.optim.grad_clip
+        clip = self.config.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip) \
             if clip > 0 else torch.tensor(float("nan"))
         lr = self.scheduler.get_last_lr()[0]
@@ -248,7 +243,7 @@ class Trainer:
         self.step += 1
         totals = distributed.all_reduce_sum(self.d, totals)
         # the one read-back of the step: the summed statistics and the (already global) grad norm
-        return {"step": self.step, "lr": lr, **summarize(totals, cfg.model.block_size, grad_norm)}
+        return {"step": self.step, "lr": lr, **summarize(totals, self.config.model.block_size, grad_norm)}
 
     # --- the loop ----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
