@@ -5,11 +5,13 @@
     dflash-train --out DIR --resume                       continue a stopped run
     torchrun --nproc-per-node 8 -m dflash.cli train ...   one process per GPU
     dflash-train --init-drafter DIR ...                   continue training a drafter (a published one too)
+    dflash-train --config sweep.toml                      several drafters on one target pass ([[drafters]])
     dflash-eval --target DIR --drafter DIR --data FILE.jsonl   tau, tokens/s, losslessness
     dflash export OLD_DIR NEW_DIR --target DIR            an older project drafter -> the reference layout
     dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl   responses by the target itself
     dflash regenerate --endpoint URL --model NAME --data IN.jsonl --out OUT.jsonl   ... by a vLLM/SGLang server
-    dflash report RUN_DIR                                 plots and a summary of a run (also written at its end)
+    dflash report RUN_DIR                                 plots and a summary of a run (also written at its end;
+                                                          a run of several drafters: also one table and plot of all)
     dflash doctor [...] / dflash healthcheck [...]        kernel report / the image's health check
 
 `dflash-train` is the image's entrypoint, so `docker run dflash-train doctor` must reach the doctor:
