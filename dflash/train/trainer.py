@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash.train import checkpoint as ckpt
+from dflash.train import layouts, sharded_checkpoint
 from dflash import distributed
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.config import TrainConfig
@@ -126,10 +128,9 @@ class Trainer:
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
         if compile_layers(config, d.device):
             self.drafter.compile_layers()
-        self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
-            if d.enabled else self.drafter
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
-                                           fused=d.device.type == "cuda")
+        self.layout = config.runtime.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
+        self.model = layouts.wrap_drafter(self.drafter, self.layout, d)
+        self.optimizer = layouts.optimizer(self.drafter, config, d)
         self.fingerprint = data_fingerprint(items)
         self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
         self.order = self._data_order()
@@ -162,11 +163,15 @@ class Trainer:
                 f"--resume: no checkpoint in {root}. Drop --resume to start a new run there (with --overwrite "
                 "when the directory holds the start of a run).")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
-        from safetensors.torch import load_file
-
-        self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
         state = ckpt.load_state(last, map_location=self.d.device)
-        self.optimizer.load_state_dict(state["optimizer"])
+        sharded_checkpoint.check_kind(last, state, self.layout, layouts.CHECKPOINT_KIND[self.layout])
+        if layouts.is_sharded(self.layout):  # resharded to this run's ranks by DCP
+            sharded_checkpoint.load(last, self.drafter, self.optimizer)
+        else:
+            from safetensors.torch import load_file
+
+            self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
         self.step = int(state["step"])
@@ -177,13 +182,20 @@ class Trainer:
 
     def save(self) -> Path | None:
         path = None
+        train_state = {**self.order.state(), "data_fingerprint": self.fingerprint, "world_size": self.d.world_size,
+                       "layout": self.layout}
+        if layouts.is_sharded(self.layout):  # every rank writes its shards
+            path = sharded_checkpoint.save(
+                self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
+                scheduler=self.scheduler, train_state=train_state, config=self.config,
+                keep=self.config.runtime.keep_checkpoints, rank=self.d.rank, barrier=lambda: distributed.barrier(self.d))
+            log.info("checkpoint %s", path)
+            return path
         if self.d.is_main:
             path = ckpt.save_checkpoint(
                 self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
                 scheduler=self.scheduler, config=self.config, keep=self.config.runtime.keep_checkpoints,
-                train_state={**self.order.state(), "data_fingerprint": self.fingerprint,
-                             "world_size": self.d.world_size},
-            )
+                train_state=train_state)
             log.info("checkpoint %s", path)
         distributed.barrier(self.d)
         return path
@@ -212,7 +224,8 @@ class Trainer:
         """Forward + backward of one micro-batch (gradients accumulate); returns its sums, detached."""
         model = self.config.model
         # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
-        with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
+        # FSDP2 reduce-scatters every micro-batch: its sharded gradients accumulate, nothing gathered stays
+        with self.model.no_sync() if not sync and isinstance(self.model, DDP) else nullcontext():
             sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
                                     gamma=model.gamma, autocast_dtype=self.autocast_dtype)
             backward(sums, self.d, self.config.optim.grad_accum)
@@ -235,8 +248,7 @@ class Trainer:
             if self.heartbeat:
                 self.heartbeat.beat(self.step)
         clip = cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip) \
-            if clip > 0 else torch.tensor(float("nan"))
+        grad_norm = layouts.clip_grad_norm(self.drafter, clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -359,7 +371,8 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     length (dflash.train.rundir: a second run into it stops at once; an old run there is refused unless
     --resume or --overwrite).
     """
-    d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
+    layouts.check_layout(config, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or weight
+    d = layouts.init(config)
     run = RunDir(config.io.out)
     with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
         setup_logging(run, d.is_main)
