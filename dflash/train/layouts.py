@@ -100,10 +100,17 @@ def init(config: TrainConfig) -> distributed.Dist:
                             group_alone=is_sharded(runtime.layout), host_collectives=runtime.layout == "offload")
 
 
-def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist):
+def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist, compile: bool = False):
     """The module the trainer calls: DDP (replicate, world size > 1), the drafter itself (replicate alone),
-    or the drafter sharded in place with FSDP2 (per decoder layer, then the root: fc, norms)."""
+    or the drafter sharded in place with FSDP2 (per decoder layer, then the root: fc, norms).
+
+    `compile` compiles each decoder layer: Drafter.compile_layers for replicate; for the sharded layouts
+    each layer's forward (FSDP2's gather and reshard hooks run around it, outside the compiled code: a
+    Module.compile()d layer is called past its compiled code once fully_shard wraps it).
+    """
     if layout == "replicate":
+        if compile:
+            drafter.compile_layers()
         if not d.enabled:
             return drafter
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -118,6 +125,9 @@ def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist):
     for layer in drafter.layers:
         fully_shard(layer, mesh=mesh, **extra)
     fully_shard(drafter, mesh=mesh, **extra)
+    if compile:
+        for layer in drafter.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=None)
     return drafter
 
 

@@ -126,10 +126,8 @@ class Trainer:
         self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
-        if compile_layers(config, d.device):
-            self.drafter.compile_layers()
         self.layout = config.runtime.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
-        self.model = layouts.wrap_drafter(self.drafter, self.layout, d)
+        self.model = layouts.wrap_drafter(self.drafter, self.layout, d, compile=compile_layers(config, d.device))
         self.optimizer = layouts.optimizer(self.drafter, config, d)
         self.fingerprint = data_fingerprint(items)
         self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
@@ -169,7 +167,6 @@ class Trainer:
             sharded_checkpoint.load(last, self.drafter, self.optimizer)
         else:
             from safetensors.torch import load_file
-
             self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
