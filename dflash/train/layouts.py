@@ -8,10 +8,10 @@
     offload    shard, with the sharded weights, gradients and AdamW state in (pinned) host memory and the
                AdamW step on the CPU (FSDP2 CPUOffloadPolicy); the GPU holds the target, one gathered
                drafter layer at a time and the activations. Valid at world size 1: one 96 GB card.
-    pipeline   ranks 0..S-1 (S = --target-stages): one contiguous stage of the target's layers each;
-               ranks S..W-1: the target's embedding and LM head, and the drafter, sharded (shard) among
-               themselves. Each micro-batch's tapped hidden states go from the stages to the drafter
-               ranks by point-to-point sends (dflash.train.pipeline).
+    pipeline   ranks 0..D-1 (D = W - S, S = --target-stages): the target's embedding and LM head, and the
+               drafter, sharded (as shard) among themselves; ranks D..W-1: one contiguous stage of the
+               target's layers each. Each micro-batch's tapped hidden states go from the stages to the
+               drafter ranks by point-to-point sends (dflash.train.pipeline).
 
 Every layout computes the gradient one process computes on the whole global micro-batch, so a run's
 losses and weights do not depend on the layout or the world size (to float rounding).
@@ -40,15 +40,19 @@ def is_sharded(layout: str) -> bool:
 
 @dataclass(frozen=True)
 class PipelineRoles:
-    """Who holds what under --layout pipeline: `stages[s]` = the target layers [start, stop) of rank s;
-    ranks len(stages)..world_size-1 train the drafter."""
+    """Who holds what under --layout pipeline: ranks 0..D-1 train the drafter; rank D+s holds the target
+    layers [start, stop) = `stages[s]`."""
 
     stages: tuple[tuple[int, int], ...]
     world_size: int
 
     @property
     def drafter_ranks(self) -> list[int]:
-        return list(range(len(self.stages), self.world_size))
+        return list(range(self.world_size - len(self.stages)))
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        return list(range(self.world_size - len(self.stages), self.world_size))
 
     def stage_of_layer(self, layer: int) -> int:
         return next(s for s, (a, b) in enumerate(self.stages) if a <= layer < b)

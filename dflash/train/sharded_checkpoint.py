@@ -56,9 +56,9 @@ def full_drafter(drafter: torch.nn.Module, rank: int, group=None):
 
 
 def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: dict, config, keep: int,
-         rank: int, barrier) -> Path:
-    """Write checkpoint `root/step-N` from every drafter rank (`rank` within them; `barrier()` syncs
-    them); returns its path on every rank."""
+         rank: int, barrier, group=None) -> Path:
+    """Write checkpoint `root/step-N` from every drafter rank (`rank` within them, `group` their process
+    group, None: all ranks; `barrier()` syncs them); returns its path on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -73,7 +73,7 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
     barrier()
     try:
         model_state, optim_state = get_state_dict(drafter, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR), process_group=group)
         plain = full_drafter(drafter, rank)
         if rank == 0:
             save_drafter(plain, tmp / "drafter", dtype=None)
@@ -106,7 +106,7 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
     return final
 
 
-def load(checkpoint: Path, drafter, optimizer) -> None:
+def load(checkpoint: Path, drafter, optimizer, group=None) -> None:
     """Load dcp/ into the sharded drafter and its optimizer, resharded to this run's ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -114,7 +114,7 @@ def load(checkpoint: Path, drafter, optimizer) -> None:
     model_state, optim_state = get_state_dict(drafter, optimizer)
     state = {"model": model_state, "optim": optim_state}
     try:
-        dcp.load(state, checkpoint_id=str(checkpoint / DCP_DIR))
+        dcp.load(state, checkpoint_id=str(checkpoint / DCP_DIR), process_group=group)
     except Exception as exc:  # a missing or damaged shard: name it and the way out
         raise CheckpointError(f"cannot load the sharded state {checkpoint / DCP_DIR}: {type(exc).__name__}: "
                               f"{exc}. Point {checkpoint.parent / 'latest'} at an older checkpoint, or start a "

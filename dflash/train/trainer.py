@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash.train import checkpoint as ckpt
-from dflash.train import layouts, sharded_checkpoint
+from dflash.train import layouts, pipeline, sharded_checkpoint
 from dflash import distributed
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.config import TrainConfig
@@ -164,7 +164,7 @@ class Trainer:
         state = ckpt.load_state(last, map_location=self.d.device)
         sharded_checkpoint.check_kind(last, state, self.layout, layouts.CHECKPOINT_KIND[self.layout])
         if layouts.is_sharded(self.layout):  # resharded to this run's ranks by DCP
-            sharded_checkpoint.load(last, self.drafter, self.optimizer)
+            sharded_checkpoint.load(last, self.drafter, self.optimizer, self.d.group)
         else:
             from safetensors.torch import load_file
             self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
@@ -185,7 +185,7 @@ class Trainer:
             path = sharded_checkpoint.save(
                 self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
                 scheduler=self.scheduler, train_state=train_state, config=self.config,
-                keep=self.config.runtime.keep_checkpoints, rank=self.d.rank, barrier=lambda: distributed.barrier(self.d))
+                keep=self.config.runtime.keep_checkpoints, rank=self.d.rank, barrier=lambda: distributed.barrier(self.d), group=self.d.group)
             log.info("checkpoint %s", path)
             return path
         if self.d.is_main:
@@ -339,9 +339,9 @@ def drafter_config(config: TrainConfig, target):
     return replace(init, target_fingerprint=target.fingerprint)
 
 
-def load_target(config: TrainConfig, device: torch.device, path=None):
+def load_target(config: TrainConfig, device: torch.device, path=None, cpu: bool = False):
     """The frozen target of --target (or `path`): in bf16 when training uses bf16 autocast (its forward
-    is most of the cost on a GPU), else in fp32. With --init-drafter, tapped at that drafter's layers
+    is most of the cost on a GPU), else in fp32; `cpu`: on the CPU, in `device`'s dtype. With --init-drafter, tapped at that drafter's layers
     with its mask token, once its config.json is checked against the target's."""
     from dflash.model.target import Target
 
@@ -354,7 +354,7 @@ def load_target(config: TrainConfig, device: torch.device, path=None):
         init = read_drafter_config(opts.init_drafter)
         check_fits_target(init, target_shape(path), f"--init-drafter {opts.init_drafter}")
         layer_ids, mask_token = init.target_layer_ids, init.mask_token_id
-    return Target.load(path, device=device, dtype=precision(config, device),
+    return Target.load(path, device="cpu" if cpu else device, dtype=precision(config, device),
                        layer_ids=layer_ids, mask_token=mask_token)
 
 
@@ -379,6 +379,11 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
         try:
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
             check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
+            if config.runtime.layout == "pipeline":  # stage ranks serve the target until the drafter ranks end
+                target, d, items = pipeline.place(config, d, lambda: target or load_target(config, d.device, cpu=True),
+                                                  lambda t: items if items is not None else load_items(config, t))
+                if target is None:
+                    return TrainResult(drafter=None, step=0)
             if target is None:
                 target = load_target(config, d.device)
             if items is None:
@@ -392,7 +397,9 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",
                      trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
                      trainer.drafter.attention)
-            return trainer.run()
+            result = trainer.run()
+            getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop
+            return result
         except DflashError as exc:  # also in train.log, where a run's story is read afterwards
             log.error("stopped: %s", exc)
             raise

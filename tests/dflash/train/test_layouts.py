@@ -53,10 +53,11 @@ def test_target_stages_only_go_with_pipeline():
 def test_pipeline_stages_are_contiguous_by_layer_count():
     roles = layouts.pipeline_roles(TrainConfig.from_flat(layout="pipeline", target_stages=3), 5, 64)
     assert roles.stages == ((0, 22), (22, 43), (43, 64))
-    assert roles.drafter_ranks == [3, 4]
+    assert roles.drafter_ranks == [0, 1] and roles.stage_ranks == [2, 3, 4]
     assert [roles.stage_of_layer(i) for i in (0, 21, 22, 63)] == [0, 0, 1, 2]
     auto = layouts.pipeline_roles(TrainConfig.from_flat(layout="pipeline"), 8, 4)
-    assert auto.stages == ((0, 1), (1, 2), (2, 3), (3, 4)) and auto.drafter_ranks == [4, 5, 6, 7]
+    assert auto.stages == ((0, 1), (1, 2), (2, 3), (3, 4)) and auto.drafter_ranks == [0, 1, 2, 3]
+    assert auto.stage_ranks == [4, 5, 6, 7]
     with pytest.raises(ConfigError, match="more than the target's 4 layers"):
         layouts.pipeline_roles(TrainConfig.from_flat(layout="pipeline", target_stages=5), 8, 4)
 
