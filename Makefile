@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-drafter bench-flex bench-fit bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-drafter bench-flex bench-fit bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -67,6 +67,9 @@ bench-flex: venv  ## flex_attention backward tile configurations at the drafter'
 
 bench-fit: venv  ## largest anchors x sequence length whose training micro-batch fits beside a 27B-shape target (GPU)
 	$(PY) bench/bench_fit.py
+
+bench-layouts: venv  ## --layout shard vs replicate at world size 1, and offload vs replicate under a 102 GB cap (GPU)
+	$(PY) bench/bench_layouts.py
 
 bench-scaling: venv  ## multi-GPU: the training loop under torchrun on 1 and N processes (efficiency, same-loss check)
 	$(PY) bench/bench_scaling.py

@@ -40,6 +40,7 @@ NEEDS = {
     "bench-drafter": ("gpu",),
     "bench-flex": ("gpu",),
     "bench-fit": ("gpu",),
+    "bench-layouts": ("gpu",),
     "bench-scaling": (),
     "bench-kernels": (),
     "bench-loss": (),

@@ -20,6 +20,7 @@ losses and weights do not depend on the layout or the world size (to float round
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +79,11 @@ def pipeline_roles(config: TrainConfig, world_size: int, num_layers: int) -> Pip
     return PipelineRoles(stages=tuple(bounds), world_size=world_size)
 
 
-def check_layout(config: TrainConfig, world_size: int) -> None:
-    """Refuse a layout this launch cannot run, before anything is loaded, naming the fix."""
+def check_layout(config: TrainConfig, world_size: int | None = None) -> None:
+    """Refuse a layout this launch cannot run (world size: torchrun's WORLD_SIZE), before anything is
+    loaded, naming the fix."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     layout = config.runtime.layout
     if layout != "pipeline":
         return

@@ -26,8 +26,10 @@ import torch
 
 from common.fsutil import atomic_write
 
+from dflash import distributed
 from dflash.errors import CheckpointError
 from dflash.train import checkpoint as ckpt
+from dflash.train.layouts import CHECKPOINT_KIND, is_sharded
 
 DCP_DIR = "dcp"
 KIND_KEY = "checkpoint_kind"
@@ -56,13 +58,18 @@ def full_drafter(drafter: torch.nn.Module, rank: int, group=None):
 
 
 def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: dict, config, keep: int,
-         rank: int, barrier, group=None) -> Path:
-    """Write checkpoint `root/step-N` from every drafter rank (`rank` within them, `group` their process
-    group, None: all ranks; `barrier()` syncs them); returns its path on every rank."""
+         d: distributed.Dist) -> Path:
+    """Write checkpoint `root/step-N` from every rank of `d` (the drafter's ranks: d.group); returns its
+    path on every one of them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from dflash.io.drafter import save_drafter
+
+    rank, group = d.rank, d.group
+
+    def barrier():
+        distributed.barrier(d)
 
     final = root / ckpt.step_dir_name(step)
     tmp = root / f".tmp-{final.name}-dcp"
@@ -134,3 +141,16 @@ def check_kind(checkpoint: Path, state: dict, layout: str, expected: str) -> Non
     raise CheckpointError(f"{checkpoint} holds sharded DCP state (written by --layout shard, offload or pipeline); "
                           f"--layout {layout} cannot read it. Resume with --layout shard (or offload, or "
                           "pipeline), at any world size.")
+
+
+def restore(checkpoint: Path, state: dict, layout: str, drafter, optimizer, d: distributed.Dist) -> None:
+    """Load a checkpoint's drafter weights and AdamW state as `layout` keeps them: DCP shards, resharded
+    to this run's ranks, or today's whole files (replicate); `state` is its trainer_state.pt."""
+    check_kind(checkpoint, state, layout, CHECKPOINT_KIND[layout])
+    if is_sharded(layout):
+        load(checkpoint, drafter, optimizer, d.group)
+        return
+    from safetensors.torch import load_file
+
+    drafter.load_state_dict(ckpt.load_weights(checkpoint, load_file, device=str(d.device)))
+    optimizer.load_state_dict(state["optimizer"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -162,13 +161,7 @@ class Trainer:
                 "when the directory holds the start of a run).")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
         state = ckpt.load_state(last, map_location=self.d.device)
-        sharded_checkpoint.check_kind(last, state, self.layout, layouts.CHECKPOINT_KIND[self.layout])
-        if layouts.is_sharded(self.layout):  # resharded to this run's ranks by DCP
-            sharded_checkpoint.load(last, self.drafter, self.optimizer, self.d.group)
-        else:
-            from safetensors.torch import load_file
-            self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
-            self.optimizer.load_state_dict(state["optimizer"])
+        sharded_checkpoint.restore(last, state, self.layout, self.drafter, self.optimizer, self.d)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
         self.step = int(state["step"])
@@ -182,17 +175,15 @@ class Trainer:
         train_state = {**self.order.state(), "data_fingerprint": self.fingerprint, "world_size": self.d.world_size,
                        "layout": self.layout}
         if layouts.is_sharded(self.layout):  # every rank writes its shards
-            path = sharded_checkpoint.save(
-                self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
-                scheduler=self.scheduler, train_state=train_state, config=self.config,
-                keep=self.config.runtime.keep_checkpoints, rank=self.d.rank, barrier=lambda: distributed.barrier(self.d), group=self.d.group)
-            log.info("checkpoint %s", path)
-            return path
-        if self.d.is_main:
+            path = sharded_checkpoint.save(self.run_dir.checkpoints, step=self.step, drafter=self.drafter,
+                                           optimizer=self.optimizer, scheduler=self.scheduler, train_state=train_state,
+                                           config=self.config, keep=self.config.runtime.keep_checkpoints, d=self.d)
+        elif self.d.is_main:
             path = ckpt.save_checkpoint(
                 self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
                 scheduler=self.scheduler, config=self.config, keep=self.config.runtime.keep_checkpoints,
                 train_state=train_state)
+        if path is not None:
             log.info("checkpoint %s", path)
         distributed.barrier(self.d)
         return path
@@ -341,8 +332,9 @@ def drafter_config(config: TrainConfig, target):
 
 def load_target(config: TrainConfig, device: torch.device, path=None, cpu: bool = False):
     """The frozen target of --target (or `path`): in bf16 when training uses bf16 autocast (its forward
-    is most of the cost on a GPU), else in fp32; `cpu`: on the CPU, in `device`'s dtype. With --init-drafter, tapped at that drafter's layers
-    with its mask token, once its config.json is checked against the target's."""
+    is most of the cost on a GPU), else in fp32 (`cpu`: on the CPU, in `device`'s dtype; --layout pipeline
+    moves each rank's share). With --init-drafter, tapped at that drafter's layers with its mask token,
+    once its config.json is checked against the target's."""
     from dflash.model.target import Target
 
     path, opts = path or config.io.target, config.model
@@ -368,7 +360,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     length (dflash.train.rundir: a second run into it stops at once; an old run there is refused unless
     --resume or --overwrite).
     """
-    layouts.check_layout(config, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or weight
+    layouts.check_layout(config)  # before any process group or weight
     d = layouts.init(config)
     run = RunDir(config.io.out)
     with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
@@ -381,7 +373,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
             if config.runtime.layout == "pipeline":  # stage ranks serve the target until the drafter ranks end
                 target, d, items = pipeline.place(config, d, lambda: target or load_target(config, d.device, cpu=True),
-                                                  lambda t: items if items is not None else load_items(config, t))
+                                                  lambda t: load_items(config, t) if items is None else items)
                 if target is None:
                     return TrainResult(drafter=None, step=0)
             if target is None:

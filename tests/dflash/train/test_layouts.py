@@ -63,7 +63,8 @@ def test_pipeline_stages_are_contiguous_by_layer_count():
 
 
 # --- real processes ---------------------------------------------------------------------------------
-OPTS = dict(max_steps=3, batch_size=5, grad_accum=2, drafter_layers=2, save_every=2, drafter_dtype="fp32")
+OPTS = dict(max_steps=3, batch_size=5, grad_accum=2, drafter_layers=2, save_every=2, drafter_dtype="fp32",
+            target_layer_ids="1,2")
 
 
 def _env(tmp_path: Path) -> dict:
@@ -169,3 +170,15 @@ def test_a_replicate_checkpoint_is_refused_by_a_sharded_layout(toy):
     config = TrainConfig.from_flat(out=str(root / "one"), resume=True, layout="offload")
     with pytest.raises(CheckpointError, match="written by --layout replicate.*Resume with --layout replicate"):
         check_resume_checkpoint(config)
+
+
+@pytest.mark.slow  # one torchrun launch of 4 gloo processes (about 70 s on a 2-core machine)
+def test_pipeline_on_four_processes_matches_one_process(toy, tmp_path):
+    """2 drafter ranks (FSDP2 between them) fed by 2 target stages (layers 0-1 and 2-3 of the 4-layer
+    target; the tapped layers sit in both) against the plain process."""
+    root, target, data = toy
+    out = tmp_path / "pipeline"
+    _launch(tmp_path, 4, train_args(target, data, out, layout="pipeline", target_stages=2, **OPTS))
+    _same_run(root / "one", out)
+    last = ckpt.latest_checkpoint(RunDir(out).checkpoints)
+    assert sorted(p.name for p in (last / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
