@@ -135,6 +135,7 @@ def test_offload_on_two_processes_matches_one_process(toy, tmp_path):
     _same_run(root / "one", tmp_path / "offload")
 
 
+@pytest.mark.slow  # a plain process, then a torchrun launch of 2 gloo processes (about 50 s)
 def test_shard_alone_matches_one_process_and_resumes_at_another_world_size(toy, tmp_path):
     """World size 1 (a process group of one) against the plain process; then its step-2 checkpoint,
     written by one rank, is resumed by 2 ranks (DCP reshards) and lands on the same run; a replicate
@@ -163,6 +164,7 @@ def test_shard_alone_matches_one_process_and_resumes_at_another_world_size(toy, 
     _same_run(root / "one", cut)
 
 
+@pytest.mark.slow  # needs the module's one-process run (about 15 s)
 def test_a_replicate_checkpoint_is_refused_by_a_sharded_layout(toy):
     from dflash.train.precheck import check_resume_checkpoint
 
