@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-multi bench-drafter bench-flex bench-fit bench-plan bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-multi bench-drafter bench-flex bench-fit bench-plan bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -73,6 +73,9 @@ bench-fit: venv  ## largest anchors x sequence length whose training micro-batch
 
 bench-plan: venv  ## the memory model of `dflash plan` fitted on some shapes, predicted and measured on others (GPU)
 	$(PY) bench/bench_plan.py
+
+bench-layouts: venv  ## --layout shard vs replicate at world size 1, and offload vs replicate under a 102 GB cap (GPU)
+	$(PY) bench/bench_layouts.py
 
 bench-scaling: venv  ## multi-GPU: the training loop under torchrun on 1 and N processes (efficiency, same-loss check)
 	$(PY) bench/bench_scaling.py

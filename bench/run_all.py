@@ -7,7 +7,7 @@ Each benchmark is its `make bench-*` target, in the Makefile's order: the Makefi
 their defaults (TARGET, DRAFTER, PRESET given to `make bench` reach every target). Before each one, what
 it needs is checked here:
 
-    gpu        a CUDA GPU torch can see: bench-drafter, bench-fit and bench-plan (27B shape), bench-flex, and
+    gpu        a CUDA GPU torch can see: bench-drafter, bench-fit, bench-plan and bench-layouts (27B shape), bench-flex, and
                bench-spec-step at PRESET=27b (PRESET=tiny runs on a CPU)
     nvcc       a CUDA toolkit on this machine (bench-build compiles natively)
     docker     a Docker engine that answers, or root (the targets' `engine` prerequisite starts one)
@@ -42,6 +42,7 @@ NEEDS = {
     "bench-flex": ("gpu",),
     "bench-fit": ("gpu",),
     "bench-plan": ("gpu",),
+    "bench-layouts": ("gpu",),
     "bench-scaling": (),
     "bench-kernels": (),
     "bench-loss": (),

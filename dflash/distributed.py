@@ -23,6 +23,7 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    group: object = None  # the ranks' process group (None: all of them); rank and world_size count in it
 
     @property
     def is_main(self) -> bool:
@@ -51,11 +52,15 @@ def pick_device(spec: str, local_rank: int) -> torch.device:
     return device
 
 
-def init(device_spec: str = "auto", timeout_s: float = 1800, cpu_threads: int = 0) -> Dist:
+def init(device_spec: str = "auto", timeout_s: float = 1800, cpu_threads: int = 0, *,
+         group_alone: bool = False, host_collectives: bool = False) -> Dist:
     """Join the process group when launched by torchrun (RANK/WORLD_SIZE set); otherwise run alone.
 
     `cpu_threads` > 0 caps torch's intra-op threads: on a shared or small machine, OpenMP threads that
-    wait for a descheduled sibling can make small CPU ops tens of times slower.
+    wait for a descheduled sibling can make small CPU ops tens of times slower. `group_alone` makes a
+    process group of one when there is no torchrun (FSDP2 shards over a device mesh, which needs a
+    group even at world size 1). `host_collectives` adds gloo for CPU tensors beside NCCL on a GPU
+    (FSDP2's CPU offload clips gradients that live in host memory).
     """
     if cpu_threads > 0:
         torch.set_num_threads(cpu_threads)
@@ -63,27 +68,30 @@ def init(device_spec: str = "auto", timeout_s: float = 1800, cpu_threads: int = 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_spec, local_rank)
-    if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+    if (world_size > 1 or group_alone) and not dist.is_initialized():
+        backend = "gloo"
+        if device.type == "cuda":
+            backend = "cpu:gloo,cuda:nccl" if host_collectives else "nccl"
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world_size == 1 else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **alone,
                                 **({"device_id": device} if device.type == "cuda" else {}))
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
 def close(d: Dist) -> None:
-    if d.enabled and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def barrier(d: Dist) -> None:
     if d.enabled:
-        dist.barrier()
+        dist.barrier(group=d.group)
 
 
 def all_reduce_sum(d: Dist, t: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over all ranks (in place); a no-op in a single process."""
     if d.enabled:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.group)
     return t
 
 
@@ -92,7 +100,7 @@ def any_rank(d: Dist, flag: bool) -> bool:
     if not d.enabled:
         return flag
     t = torch.tensor([1.0 if flag else 0.0], device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.group)
     return bool(t.item() > 0)
 
 

@@ -29,14 +29,14 @@ from pathlib import Path
 
 from common.fsutil import atomic_write
 
-from dflash.config.sections import (SECTIONS, TRACKERS, DemoConfig, IOConfig, ModelConfig, OptimConfig,
+from dflash.config.sections import (LAYOUTS, SECTIONS, TRACKERS, DemoConfig, IOConfig, ModelConfig, OptimConfig,
                                     RuntimeConfig, WatchConfig, check_report_to, flag)
 from dflash.config.file import read_config_file
 from dflash.config.options import OPTIONS, convert_value, flatten, unknown_option
 from dflash.errors import ConfigError
 
 __all__ = ["TrainConfig", "IOConfig", "ModelConfig", "OptimConfig", "RuntimeConfig", "WatchConfig", "DemoConfig",
-           "SECTIONS", "TRACKERS", "OPTIONS", "DEMO_DEFAULTS", "check_report_to", "add_arguments", "from_args"]
+           "LAYOUTS", "SECTIONS", "TRACKERS", "OPTIONS", "DEMO_DEFAULTS", "check_report_to", "add_arguments", "from_args"]
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,10 @@ class OptimConfig(Section):
             raise ConfigError("--epochs and --max-steps are both 0: nothing to train. Set one of them.")
 
 
+# --layout's names (dflash.train.layouts builds each; what each rank holds: docs/training.md, Layouts).
+LAYOUTS = ("replicate", "shard", "offload", "pipeline")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig(Section):
     """Where and how the run computes, and how often it logs, checkpoints and beats."""
@@ -188,11 +192,21 @@ class RuntimeConfig(Section):
     keep_checkpoints: int = opt(2, "how many checkpoints to keep in --out/checkpoints (oldest removed)")
     heartbeat_every: float = opt(5.0, "seconds between heartbeat writes (file from $DFLASH_HEARTBEAT)")
     progress: bool = opt(True, "show a progress bar")
+    layout: str = opt("replicate", "how the ranks share the work (docs/training.md, Layouts): 'replicate' (each rank "
+                      "holds the target and the whole drafter state, DDP), 'shard' (the drafter's weights, gradients "
+                      "and AdamW state sharded across ranks, FSDP2), 'offload' (shard, with that state in host memory "
+                      "and the AdamW step on the CPU: one 96 GB card), 'pipeline' (the target's layers split across "
+                      "the first --target-stages ranks, the drafter trained on the others)", choices=LAYOUTS)
+    target_stages: int = opt(0, "--layout pipeline: ranks that hold the target's layers, one contiguous stage each "
+                             "(0: half the ranks, rounded up); the other ranks train the drafter")
 
     def __post_init__(self) -> None:
         self._check_common()
         self._at_least(1, "log_every", "keep_checkpoints")
-        self._at_least(0, "save_every", "cpu_threads")
+        self._at_least(0, "save_every", "cpu_threads", "target_stages")
+        if self.target_stages and self.layout != "pipeline":
+            raise ConfigError(f"--target-stages {self.target_stages} splits the target for --layout pipeline, and "
+                              f"--layout is {self.layout}; drop --target-stages or pass --layout pipeline.")
 
 
 # --report-to's names (dflash.train.trackers opens them).

@@ -42,11 +42,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dflash.config.sections import LAYOUTS
 from dflash.errors import ConfigError
 from dflash.plan.shapes import DrafterShape, TargetShape
 
 GB = 1e9
-LAYOUTS = ("replicate", "shard", "offload", "pipeline")
 PRECISIONS = {"bf16": 2, "fp32": 4}
 LOSS_CHUNK_ROWS = 2048  # dflash.train.losses.LOSS_CHUNK_ROWS (not imported: that module pulls torch ops)
 

@@ -166,7 +166,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     """
     from pathlib import Path
 
-    layout = layout or getattr(config.runtime, "layout", "replicate")
+    layout = layout or config.runtime.layout
     if card_gb is None or not getattr(config.runtime, "memory_check", True):
         return
     target_path = config.io.target
@@ -180,7 +180,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     card = Card(f"{card_gb:.1f} GB visible", card_gb, CARDS["h200"].bf16_tflops, CARDS["h200"].link_gbps)
     precision = "fp32" if config.runtime.precision == "fp32" else "bf16"
     # the run's split (--target-stages, 0: half the ranks), never the search `option` makes for target_stages 0
-    stages = pipeline_stages(world, getattr(config.runtime, "target_stages", 0)) if layout == "pipeline" else 0
+    stages = pipeline_stages(world, config.runtime.target_stages) if layout == "pipeline" else 0
     chosen = option(target, drafter, mb, layout, world, card, precision=precision, target_stages=stages)
     if chosen.fits:
         return

@@ -131,6 +131,8 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
 
     from dflash.io.drafter import read_drafter_config
     from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
+    from dflash.train.layouts import CHECKPOINT_KIND
+    from dflash.train.sharded_checkpoint import KIND_KEY, check_kind
     from dflash.train.rundir import RunDir
 
     root = RunDir(config.io.out).checkpoints
@@ -149,8 +151,13 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
         loaded = torch.load(state, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # UnpicklingError, RuntimeError from the zip reader, EOFError, ...
         raise _damaged(last, state, f"its contents do not load: {load_error_text(exc)}") from None
-    if not isinstance(loaded, dict) or not {"optimizer", "scheduler", "rng", "step"} <= loaded.keys():
+    # a sharded (DCP) checkpoint keeps its optimizer state in dcp/, not in this file
+    needed = {"scheduler", "rng", "step"} | ({"optimizer"} if isinstance(loaded, dict) and
+                                               loaded.get(KIND_KEY, "full") == "full" else set())
+    if not isinstance(loaded, dict) or not needed <= loaded.keys():
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
+    layout = config.runtime.layout
+    check_kind(last, loaded, layout, CHECKPOINT_KIND[layout])
 
 
 def check_memory(config: TrainConfig, world_size: int, device, card_gb_for_tests: float | None = None) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash.train import checkpoint as ckpt
+from dflash.train import layouts, pipeline, sharded_checkpoint
 from dflash import distributed
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.config import TrainConfig
@@ -111,12 +112,9 @@ class Trainer:
         self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
-        if compile_layers(config, d.device):
-            self.drafter.compile_layers()
-        self.model = DDP(self.drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None) \
-            if d.enabled else self.drafter
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
-                                           fused=d.device.type == "cuda")
+        self.layout = config.runtime.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
+        self.model = layouts.wrap_drafter(self.drafter, self.layout, d, compile=compile_layers(config, d.device))
+        self.optimizer = layouts.optimizer(self.drafter, config, d)
         self.fingerprint = data_fingerprint(items)
         self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
         self.order = self._data_order()
@@ -149,11 +147,8 @@ class Trainer:
                 f"--resume: no checkpoint in {root}. Drop --resume to start a new run there (with --overwrite "
                 "when the directory holds the start of a run).")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
-        from safetensors.torch import load_file
-
-        self.drafter.load_state_dict(ckpt.load_weights(last, load_file, device=str(self.d.device)))
         state = ckpt.load_state(last, map_location=self.d.device)
-        self.optimizer.load_state_dict(state["optimizer"])
+        sharded_checkpoint.restore(last, state, self.layout, self.drafter, self.optimizer, self.d)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
         self.step = int(state["step"])
@@ -164,13 +159,18 @@ class Trainer:
 
     def save(self) -> Path | None:
         path = None
-        if self.d.is_main:
+        train_state = {**self.order.state(), "data_fingerprint": self.fingerprint, "world_size": self.d.world_size,
+                       "layout": self.layout}
+        if layouts.is_sharded(self.layout):  # every rank writes its shards
+            path = sharded_checkpoint.save(self.run_dir.checkpoints, step=self.step, drafter=self.drafter,
+                                           optimizer=self.optimizer, scheduler=self.scheduler, train_state=train_state,
+                                           config=self.config, keep=self.config.runtime.keep_checkpoints, d=self.d)
+        elif self.d.is_main:
             path = ckpt.save_checkpoint(
                 self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
                 scheduler=self.scheduler, config=self.config, keep=self.config.runtime.keep_checkpoints,
-                train_state={**self.order.state(), "data_fingerprint": self.fingerprint,
-                             "world_size": self.d.world_size},
-            )
+                train_state=train_state)
+        if path is not None:
             log.info("checkpoint %s", path)
         distributed.barrier(self.d)
         return path
@@ -208,8 +208,9 @@ class Trainer:
         """Forward + backward of one micro-batch (gradients accumulate; `context`: see micro_batch_sums)."""
         model = self.config.model
         # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
+        # FSDP2 reduce-scatters every micro-batch: its sharded gradients accumulate, nothing gathered stays
         try:
-            with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
+            with self.model.no_sync() if not sync and isinstance(self.model, DDP) else nullcontext():
                 sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
                                         gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context)
                 backward(sums, self.d, self.config.optim.grad_accum)
@@ -233,9 +234,7 @@ class Trainer:
 
     def _apply_step(self, totals: torch.Tensor) -> dict:
         """Clip, AdamW step, LR step on the accumulated gradients; the step's metrics from `totals`."""
-        clip = self.config.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip) \
-            if clip > 0 else torch.tensor(float("nan"))
+        grad_norm = layouts.clip_grad_norm(self.drafter, self.config.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -333,10 +332,11 @@ def drafter_config(config: TrainConfig, target):
     return replace(init, target_fingerprint=target.fingerprint)
 
 
-def load_target(config: TrainConfig, device: torch.device, path=None):
+def load_target(config: TrainConfig, device: torch.device, path=None, cpu: bool = False):
     """The frozen target of --target (or `path`): in bf16 when training uses bf16 autocast (its forward
-    is most of the cost on a GPU), else in fp32. With --init-drafter, tapped at that drafter's layers
-    with its mask token, once its config.json is checked against the target's."""
+    is most of the cost on a GPU), else in fp32 (`cpu`: on the CPU, in `device`'s dtype; --layout pipeline
+    moves each rank's share). With --init-drafter, tapped at that drafter's layers with its mask token,
+    once its config.json is checked against the target's."""
     from dflash.model.target import Target
 
     path, opts = path or config.io.target, config.model
@@ -348,7 +348,7 @@ def load_target(config: TrainConfig, device: torch.device, path=None):
         init = read_drafter_config(opts.init_drafter)
         check_fits_target(init, target_shape(path), f"--init-drafter {opts.init_drafter}")
         layer_ids, mask_token = init.target_layer_ids, init.mask_token_id
-    return Target.load(path, device=device, dtype=precision(config, device),
+    return Target.load(path, device="cpu" if cpu else device, dtype=precision(config, device),
                        layer_ids=layer_ids, mask_token=mask_token)
 
 
@@ -364,7 +364,8 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     --resume or --overwrite). `card_gb_for_tests` stands in a card of that many GB for the memory check
     (dflash.train.precheck.check_memory), which otherwise reads the visible GPU and skips a CPU.
     """
-    d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
+    layouts.check_layout(config)  # before any process group or weight
+    d = layouts.init(config)
     run = RunDir(config.io.out)
     with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
         setup_logging(run, d.is_main)
@@ -375,6 +376,11 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
             check_before_loading(config, data=items is None, target=target is None,  # seconds, not minutes
                                  world_size=d.world_size, device=d.device, card_gb_for_tests=card_gb_for_tests)
+            if config.runtime.layout == "pipeline":  # stage ranks serve the target until the drafter ranks end
+                target, d, items = pipeline.place(config, d, lambda: target or load_target(config, d.device, cpu=True),
+                                                  lambda t: load_items(config, t) if items is None else items)
+                if target is None:
+                    return TrainResult(drafter=None, step=0)
             if target is None:
                 target = load_target(config, d.device)
             if items is None:
@@ -388,7 +394,9 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",
                      trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
                      trainer.drafter.attention)
-            return trainer.run()
+            result = trainer.run()
+            getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop
+            return result
         except DflashError as exc:  # also in train.log, where a run's story is read afterwards
             log.error("stopped: %s", exc)
             raise

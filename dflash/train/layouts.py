@@ -1,0 +1,157 @@
+"""--layout: how the ranks share the frozen target, the drafter and its optimizer state.
+
+    replicate  every rank: the whole target, the whole drafter, its gradients and AdamW state; gradients
+               averaged by DDP (all-reduce). The only layout without a process group at world size 1.
+    shard      every rank: the whole target; 1/W of the drafter's fp32 weights, gradients and AdamW
+               state (FSDP2 fully_shard per drafter layer, then the root: a layer's weights are gathered
+               for its forward and backward, its gradients reduce-scattered).
+    offload    shard, with the sharded weights, gradients and AdamW state in (pinned) host memory and the
+               AdamW step on the CPU (FSDP2 CPUOffloadPolicy); the GPU holds the target, one gathered
+               drafter layer at a time and the activations. Valid at world size 1: one 96 GB card.
+    pipeline   ranks 0..D-1 (D = W - S, S = --target-stages): the target's embedding and LM head, and the
+               drafter, sharded (as shard) among themselves; ranks D..W-1: one contiguous stage of the
+               target's layers each. Each micro-batch's tapped hidden states go from the stages to the
+               drafter ranks by point-to-point sends (dflash.train.pipeline).
+
+Every layout computes the gradient one process computes on the whole global micro-batch, so a run's
+losses and weights do not depend on the layout or the world size (to float rounding).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dflash import distributed
+from dflash.config import LAYOUTS, TrainConfig
+from dflash.errors import ConfigError
+
+# what a checkpoint of each layout holds (dflash.train.resume): "full" = today's files, one writer;
+# "dcp" = torch.distributed.checkpoint shards, written by every rank, readable at any world size
+CHECKPOINT_KIND = {"replicate": "full", "shard": "dcp", "offload": "dcp", "pipeline": "dcp"}
+assert set(CHECKPOINT_KIND) == set(LAYOUTS)
+
+
+def is_sharded(layout: str) -> bool:
+    return CHECKPOINT_KIND[layout] == "dcp"
+
+
+@dataclass(frozen=True)
+class PipelineRoles:
+    """Who holds what under --layout pipeline: ranks 0..D-1 train the drafter; rank D+s holds the target
+    layers [start, stop) = `stages[s]`."""
+
+    stages: tuple[tuple[int, int], ...]
+    world_size: int
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return list(range(self.world_size - len(self.stages)))
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        return list(range(self.world_size - len(self.stages), self.world_size))
+
+    def stage_of_layer(self, layer: int) -> int:
+        return next(s for s, (a, b) in enumerate(self.stages) if a <= layer < b)
+
+
+def target_stages(config: TrainConfig, world_size: int) -> int:
+    """--target-stages, or (0) half the ranks rounded up."""
+    return config.runtime.target_stages or math.ceil(world_size / 2)
+
+
+def pipeline_roles(config: TrainConfig, world_size: int, num_layers: int) -> PipelineRoles:
+    """Contiguous stages by layer count: the first num_layers % S stages take one layer more."""
+    n_stages = target_stages(config, world_size)
+    if n_stages > num_layers:
+        raise ConfigError(f"--target-stages {n_stages} is more than the target's {num_layers} layers; pass "
+                          f"--target-stages {num_layers} or fewer.")
+    base, extra = divmod(num_layers, n_stages)
+    bounds, start = [], 0
+    for s in range(n_stages):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return PipelineRoles(stages=tuple(bounds), world_size=world_size)
+
+
+def check_layout(config: TrainConfig, world_size: int | None = None) -> None:
+    """Refuse a layout this launch cannot run (world size: torchrun's WORLD_SIZE), before anything is
+    loaded, naming the fix."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = config.runtime.layout
+    if layout != "pipeline":
+        return
+    if world_size < 2:
+        raise ConfigError("--layout pipeline splits the target from the drafter across processes and this run "
+                          "has one; launch it with torchrun --nproc-per-node 2 (or more), or use --layout offload "
+                          "on one card.")
+    stages = target_stages(config, world_size)
+    if stages >= world_size:
+        raise ConfigError(f"--target-stages {stages} leaves none of the {world_size} ranks to train the drafter; "
+                          f"pass --target-stages {world_size - 1} or fewer.")
+    if config.watch.has_eval_split:
+        raise ConfigError("--layout pipeline cannot evaluate during training (the evaluation runs the whole target "
+                          "on one rank); drop --eval-data/--eval-fraction and evaluate the exported drafter with "
+                          "dflash-eval afterwards.")
+
+
+def init(config: TrainConfig) -> distributed.Dist:
+    """Join the process group this layout needs (a group of one for FSDP2 at world size 1)."""
+    runtime = config.runtime
+    return distributed.init(runtime.device, cpu_threads=runtime.cpu_threads,
+                            group_alone=is_sharded(runtime.layout), host_collectives=runtime.layout == "offload")
+
+
+def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist, compile: bool = False):
+    """The module the trainer calls: DDP (replicate, world size > 1), the drafter itself (replicate alone),
+    or the drafter sharded in place with FSDP2 (per decoder layer, then the root: fc, norms).
+
+    `compile` compiles each decoder layer: Drafter.compile_layers for replicate; for the sharded layouts
+    each layer's forward (FSDP2's gather and reshard hooks run around it, outside the compiled code: a
+    Module.compile()d layer is called past its compiled code once fully_shard wraps it).
+    """
+    if layout == "replicate":
+        if compile:
+            drafter.compile_layers()
+        if not d.enabled:
+            return drafter
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None, process_group=d.group)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(d.group, d.device.type) if d.group is not None else None
+    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if layout == "offload" else None
+    extra = {"offload_policy": offload} if offload else {}
+    for layer in drafter.layers:
+        fully_shard(layer, mesh=mesh, **extra)
+    fully_shard(drafter, mesh=mesh, **extra)
+    if compile:
+        for layer in drafter.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=None)
+    return drafter
+
+
+def optimizer(drafter: torch.nn.Module, config: TrainConfig, d: distributed.Dist) -> torch.optim.AdamW:
+    """AdamW over the drafter's (possibly sharded) parameters; fused where they live on a GPU, and fused
+    on the CPU for offload (torch's CPU kernel; the state lives there)."""
+    optim = config.optim
+    on_host = config.runtime.layout == "offload" and d.device.type == "cuda"
+    return torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
+                             fused=d.device.type == "cuda" or on_host)
+
+
+def clip_grad_norm(drafter: torch.nn.Module, clip: float) -> torch.Tensor:
+    """Clip the global gradient norm (over all shards) to `clip`; returns the norm before clipping as a
+    plain tensor (FSDP2 returns a replicated DTensor), NaN when clipping is off."""
+    if clip <= 0:
+        return torch.tensor(float("nan"))
+    norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,0 +1,208 @@
+"""--layout pipeline: the frozen target's layers in stages on some ranks, the drafter trained on the others.
+
+Who holds what (W ranks, S = --target-stages, D = W - S; dflash.train.layouts.pipeline_roles; the
+drafter ranks come first, so rank 0 is the one that logs, as under every layout):
+    ranks 0..D-1     drafter ranks: the target's embedding and LM head (frozen, no decoder layer), and the
+                     drafter with its gradients and AdamW state sharded among themselves (FSDP2, as --layout
+                     shard; D = 1 holds it whole). Rank 0 logs, writes metrics and checkpoints.
+    ranks D..W-1     stage ranks: rank D+s holds the target's layers [start_s, stop_s) (contiguous, by layer
+                     count; stage 0 also the embedding). No drafter, no optimizer, no data.
+
+One micro-batch (each drafter rank j holds its share of the global micro-batch, as under the other layouts):
+    drafter j -> every stage   header [B, T] (int64), then input_ids [B,T] and attention_mask [B,T] (int64)
+    stage s                    stage 0 embeds the ids; stage s > 0 receives the hidden states [B,T,H]
+                               (target dtype) from stage s-1; runs its layers, keeps its tapped layers'
+                               outputs, sends the hidden states on to stage s+1 (all but the last stage)
+    stage s -> drafter j       its tapped layers' outputs, concatenated [B,T,n_s*H], when it holds any
+    drafter j                  concatenates them in layer order: exactly Target.context's result
+The stages serve the drafter ranks in rank order, micro-batch after micro-batch; sends are
+torch.distributed point-to-point (isend/irecv, completed before the next share), nothing else is
+shared. When training ends (or stops) every drafter rank sends a header [0, 0]: the stages return.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from dflash.train.layouts import PipelineRoles
+
+log = logging.getLogger("dflash.train")
+
+
+class _Skip(torch.nn.Module):
+    """Stands in for a decoder layer another rank holds: passes the hidden states through."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def keep_layers(target, keep: range, device: torch.device, embed: bool, head: bool) -> None:
+    """Move the layers in `keep` (and the embedding / LM head when asked) to `device`; every other layer
+    is replaced by a pass-through (its weights freed), an unneeded embedding or head stays on the CPU."""
+    for i in range(target.num_layers):
+        if i in keep:
+            target._layers[i].to(device)
+        else:
+            target._layers[i] = _Skip()
+    decoder = target._decoder
+    for name, module in decoder.named_children():
+        if name not in ("layers", "embed_tokens"):
+            module.to(device)  # the final norm, the rotary embedding: tiny
+    if embed:
+        target._embed.to(device)
+    if head:
+        target._head.to(device)
+
+
+class StageTarget:
+    """Runs one stage's layers of a Target whose other layers are pass-throughs (keep_layers)."""
+
+    def __init__(self, target, roles: PipelineRoles, stage: int, device: torch.device):
+        self.target, self.roles, self.stage, self.device = target, roles, stage, device
+        self.start, self.stop = roles.stages[stage]
+        self.taps = [i for i in target.layer_ids if self.start <= i < self.stop]
+
+    @torch.no_grad()
+    def run(self, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor | None):
+        """(hidden after this stage's last layer [B,T,H], its tapped outputs [B,T,n*H] or None)."""
+        captured: dict[int, torch.Tensor] = {}
+
+        def keep(layer_id):
+            def hook(_module, _inputs, output):
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        layers = self.target._layers
+        wanted = sorted(set(self.taps) | {self.stop - 1})
+        handles = [layers[i].register_forward_hook(keep(i)) for i in wanted]
+        try:
+            inputs = {"input_ids": ids} if hidden is None else {"inputs_embeds": hidden}
+            self.target._decoder(attention_mask=attn, use_cache=False, **inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        taps = torch.cat([captured[i] for i in self.taps], dim=-1).contiguous() if self.taps else None
+        return captured[self.stop - 1].contiguous(), taps
+
+
+def _header(B: int, T: int) -> torch.Tensor:
+    return torch.tensor([B, T], dtype=torch.long)
+
+
+def serve_stage(stage_target: StageTarget, rank_of_stage: list[int], drafter_ranks: list[int],
+                device: torch.device, dtype: torch.dtype) -> int:
+    """Stage rank's loop: serve every drafter rank's share of each micro-batch until all send [0, 0].
+    Returns the number of shares served."""
+    s, target = stage_target.stage, stage_target.target
+    H, last = target.hidden_size, stage_target.stage == len(rank_of_stage) - 1
+    comm = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the wire tensors live
+    served, done = 0, set()
+    while len(done) < len(drafter_ranks):
+        pending = []
+        for j in drafter_ranks:
+            if j in done:
+                continue
+            head = _header(0, 0).to(comm)
+            dist.recv(head, src=j)
+            B, T = (int(x) for x in head.tolist())
+            if B == 0:
+                done.add(j)
+                continue
+            ids = torch.empty(B, T, dtype=torch.long, device=comm)
+            attn = torch.empty(B, T, dtype=torch.long, device=comm)
+            dist.recv(ids, src=j)
+            dist.recv(attn, src=j)
+            hidden = None
+            if s > 0:
+                hidden = torch.empty(B, T, H, dtype=dtype, device=comm)
+                dist.recv(hidden, src=rank_of_stage[s - 1])
+                hidden = hidden.to(device)
+            out, taps = stage_target.run(ids.to(device), attn.to(device), hidden)
+            if not last:
+                out = out.to(comm)
+                pending.append((out, dist.isend(out, dst=rank_of_stage[s + 1])))
+            if taps is not None:
+                taps = taps.to(comm)
+                pending.append((taps, dist.isend(taps, dst=j)))
+            served += 1
+        for _tensor, work in pending:  # the tensor stays referenced until its send completed
+            work.wait()
+    return served
+
+
+class PipelinedTarget:
+    """What a drafter rank calls `target`: the target's embedding and LM head held here, its tapped
+    hidden states (`context`) computed by the stage ranks. Every other attribute is the Target's."""
+
+    def __init__(self, target, roles: PipelineRoles, rank_of_stage: list[int], device: torch.device):
+        self._target, self._roles, self._rank_of_stage, self._device = target, roles, rank_of_stage, device
+        self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        # the stages that send tapped states, in layer order (each sends its taps concatenated)
+        self._senders = list(dict.fromkeys(roles.stage_of_layer(i) for i in target.layer_ids))
+        self._widths = {s: sum(1 for i in target.layer_ids if roles.stage_of_layer(i) == s) for s in self._senders}
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    @torch.no_grad()
+    def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = input_ids.shape
+        attn = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        ids, attn = input_ids.to(self._comm, torch.long), attn.to(self._comm, torch.long)
+        head, sends = _header(B, T).to(self._comm), []
+        for r in self._rank_of_stage:
+            sends += [dist.isend(head, dst=r), dist.isend(ids, dst=r), dist.isend(attn, dst=r)]
+        H, parts = self._target.hidden_size, []
+        for s in self._senders:
+            part = torch.empty(B, T, self._widths[s] * H, dtype=self._target.dtype, device=self._comm)
+            dist.recv(part, src=self._rank_of_stage[s])
+            parts.append(part)
+        for work in sends:
+            work.wait()
+        return torch.cat(parts, dim=-1).to(self._device)
+
+    def close(self) -> None:
+        """Tell every stage this drafter rank is done."""
+        for r in self._rank_of_stage:
+            dist.send(_header(0, 0).to(self._comm), dst=r)
+
+
+def place(config, d, load, load_items):
+    """Split this launch's ranks as --layout pipeline says and load each rank's share of the target.
+
+    `load()` returns the whole Target on the CPU in the run's dtype; the ranks load one after another, so
+    the host holds one whole copy at a time. `load_items(target)` reads the training data; every rank
+    calls it (the tokenised cache is built by rank 0 behind a barrier of all ranks). A stage rank serves
+    the drafter ranks until they finish and returns (None, None, None); a drafter rank returns
+    (PipelinedTarget, its Dist within the drafter ranks, the items).
+    """
+    from dflash.distributed import Dist
+    from dflash.io.fit import target_shape
+    from dflash.train.layouts import pipeline_roles
+
+    if config.io.target:  # too many stages for the target's layers: refused before any weight loads
+        pipeline_roles(config, d.world_size, target_shape(config.io.target).num_layers)
+    target = None
+    for r in range(d.world_size):
+        if d.rank == r:
+            target = load()
+        dist.barrier()
+    roles = pipeline_roles(config, d.world_size, target.num_layers)
+    group = dist.new_group(roles.drafter_ranks)  # every rank takes part in making it
+    items = load_items(target)
+    rank_of_stage = roles.stage_ranks
+    if d.rank in rank_of_stage:
+        stage = rank_of_stage.index(d.rank)
+        keep_layers(target, range(*roles.stages[stage]), d.device, embed=stage == 0, head=False)
+        log.info("rank %d: target layers %d..%d", d.rank, roles.stages[stage][0], roles.stages[stage][1] - 1)
+        served = serve_stage(StageTarget(target, roles, stage, d.device), rank_of_stage, roles.drafter_ranks,
+                             d.device, target.dtype)
+        log.info("rank %d: served %d micro-batch shares", d.rank, served)
+        return None, None, None
+    keep_layers(target, range(0), d.device, embed=True, head=True)
+    mine = Dist(rank=d.rank, world_size=len(roles.drafter_ranks), local_rank=d.local_rank, device=d.device,
+                group=group)
+    return PipelinedTarget(target, roles, rank_of_stage, d.device), mine, items

@@ -1,0 +1,156 @@
+"""Checkpoints of the sharded layouts (shard, offload, pipeline): torch.distributed.checkpoint (DCP).
+
+    checkpoints/step-00000300/
+        dcp/                  the drafter's weights and AdamW state as DCP shards, one file per rank that
+                              holds drafter state; DCP reshards on load, so a run saved by 4 ranks
+                              resumes on 2 (or 1)
+        drafter/              the whole drafter in the reference layout, fp32, gathered to rank 0 (the
+                              same as a replicate checkpoint's: export_drafter and the resume checks read it)
+        trainer_state.pt      scheduler, RNG, data position, step, "checkpoint_kind": "dcp" (no optimizer:
+                              it is in dcp/)
+        train_config.json
+
+Every rank that holds drafter state writes into one hidden temp dir on a filesystem all of them see;
+rank 0 renames it into place and moves `latest` only after every rank finished (as in
+dflash.train.checkpoint, whose atomicity and pruning this reuses).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from common.fsutil import atomic_write
+
+from dflash import distributed
+from dflash.errors import CheckpointError
+from dflash.train import checkpoint as ckpt
+from dflash.train.layouts import CHECKPOINT_KIND, is_sharded
+
+DCP_DIR = "dcp"
+KIND_KEY = "checkpoint_kind"
+
+
+def _options(full: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+
+def full_drafter(drafter: torch.nn.Module, rank: int, group=None):
+    """The sharded drafter gathered into a plain fp32 Drafter on the CPU on `rank` 0 of `group` (None
+    elsewhere); a collective: every rank that holds a shard calls it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from dflash.model.drafter import Drafter
+
+    state = get_model_state_dict(drafter, options=_options(full=True))
+    if rank != 0:
+        return None
+    with torch.device("meta"):
+        plain = Drafter(drafter.config, attention=drafter.attention)
+    plain.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
+    return plain
+
+
+def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: dict, config, keep: int,
+         d: distributed.Dist) -> Path:
+    """Write checkpoint `root/step-N` from every rank of `d` (the drafter's ranks: d.group); returns its
+    path on every one of them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from dflash.io.drafter import save_drafter
+
+    rank, group = d.rank, d.group
+
+    def barrier():
+        distributed.barrier(d)
+
+    final = root / ckpt.step_dir_name(step)
+    tmp = root / f".tmp-{final.name}-dcp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    try:
+        model_state, optim_state = get_state_dict(drafter, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR), process_group=group)
+        plain = full_drafter(drafter, rank)
+        if rank == 0:
+            save_drafter(plain, tmp / "drafter", dtype=None)
+            state = {"format": ckpt.FORMAT_VERSION, "step": step, KIND_KEY: "dcp",
+                     "scheduler": scheduler.state_dict(), "rng": ckpt.capture_rng(), **train_state}
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            atomic_write(tmp / ckpt.STATE_FILE, buffer.getvalue())
+            config.to_json(tmp / "train_config.json")
+        barrier()  # every rank's shards are on disk before the rename makes the checkpoint visible
+        if rank == 0:
+            old = None
+            if final.exists():
+                old = root / f".old-{final.name}-{os.getpid()}"
+                os.replace(final, old)
+            os.replace(tmp, final)
+            atomic_write(root / "latest", final.name + "\n")
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            ckpt._prune(root, keep)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"writing checkpoint {final} failed on rank {rank}: {type(exc).__name__}: {exc}. The previous "
+            f"checkpoint is intact ({ckpt.read_latest(root) or 'none yet'}). Free disk space or point --out at "
+            "a larger disk that every rank sees, then rerun with --resume.") from exc
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load(checkpoint: Path, drafter, optimizer, group=None) -> None:
+    """Load dcp/ into the sharded drafter and its optimizer, resharded to this run's ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(drafter, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint / DCP_DIR), process_group=group)
+    except Exception as exc:  # a missing or damaged shard: name it and the way out
+        raise CheckpointError(f"cannot load the sharded state {checkpoint / DCP_DIR}: {type(exc).__name__}: "
+                              f"{exc}. Point {checkpoint.parent / 'latest'} at an older checkpoint, or start a "
+                              "new run without --resume.") from exc
+    set_state_dict(drafter, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def check_kind(checkpoint: Path, state: dict, layout: str, expected: str) -> None:
+    """Refuse a checkpoint written by a layout of the other kind (full files vs DCP shards)."""
+    kind = state.get(KIND_KEY, "full")
+    if kind == expected:
+        return
+    if kind == "full":
+        raise CheckpointError(f"{checkpoint} was written by --layout replicate (whole optimizer state in "
+                              f"{ckpt.STATE_FILE}); --layout {layout} resumes sharded DCP checkpoints. Resume with "
+                              "--layout replicate, or start a new run without --resume.")
+    raise CheckpointError(f"{checkpoint} holds sharded DCP state (written by --layout shard, offload or pipeline); "
+                          f"--layout {layout} cannot read it. Resume with --layout shard (or offload, or "
+                          "pipeline), at any world size.")
+
+
+def restore(checkpoint: Path, state: dict, layout: str, drafter, optimizer, d: distributed.Dist) -> None:
+    """Load a checkpoint's drafter weights and AdamW state as `layout` keeps them: DCP shards, resharded
+    to this run's ranks, or today's whole files (replicate); `state` is its trainer_state.pt."""
+    check_kind(checkpoint, state, layout, CHECKPOINT_KIND[layout])
+    if is_sharded(layout):
+        load(checkpoint, drafter, optimizer, d.group)
+        return
+    from safetensors.torch import load_file
+
+    drafter.load_state_dict(ckpt.load_weights(checkpoint, load_file, device=str(d.device)))
+    optimizer.load_state_dict(state["optimizer"])
