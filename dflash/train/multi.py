@@ -294,6 +294,10 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
     """Train the drafters `specs` names on one pass of `config`'s target and data (as train() does one).
     `on_step(step, {name: metrics})` may return True to stop the run as SIGTERM would."""
     configs = drafter_configs(config, specs)  # every drafter's options checked before anything else
+    if config.runtime.layout == "pipeline":
+        raise ConfigError("several drafters on one target pass run under --layout replicate, shard or offload; "
+                          "under --layout pipeline the target's stages serve one drafter. Pick another layout, "
+                          "or train the drafters one run each.")
     d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
     run = RunDir(config.io.out)
     with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:

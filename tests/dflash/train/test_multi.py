@@ -231,3 +231,14 @@ def test_resume_refuses_drafters_checkpointed_at_different_steps(tiny, tmp_path,
     (RunDir(drafter_out(out, "b6-deep")).checkpoints / "latest").write_text("step-00000001\n")
     assert train_main(["--out", str(out), "--resume", "--max-steps", "3", "--no-progress"]) == 3
     assert "not at the same step (b4 at step 2, b6-deep at step 1)" in capsys.readouterr().err
+
+
+def test_several_drafters_under_the_pipeline_layout_are_refused_before_loading(tiny, tmp_path, capsys):
+    target, data = tiny
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "run"
+    assert train_main(train_args(target, data, out) + ["--config", str(sweep), "--layout", "pipeline"]) == 2
+    err = capsys.readouterr().err
+    assert "--layout replicate, shard or offload" in err and "Traceback" not in err
+    assert not (out / "drafters").exists()
