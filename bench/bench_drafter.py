@@ -8,7 +8,7 @@ What runs is the trainer's own step, dflash.train.step.micro_batch_sums + backwa
 dflash.train.numerics.StandInTarget in place of the frozen target: the tapped hidden states are random
 [B,T,k*H], the embedding and the LM head random [V,H] tables of the target's shape and dtype. The drafter,
 the head and the loss do all the work, which is what is timed here (the target's forward is bench_train's).
-Shapes: dflash.train.shapes.STEP_SHAPES; the batch: dflash.train.synthetic.synthetic_batch.
+Shapes: dflash.model.shapes.STEP_SHAPES; the batch: dflash.train.synthetic.synthetic_batch.
 
 Variants (dflash.train.numerics.STEP_VARIANTS; every one starts from the same initial weights, anchors
 and inputs):
@@ -46,7 +46,7 @@ from dflash.model.drafter import DrafterConfig
 from dflash.train import flops
 from dflash.train.numerics import (STEP_VARIANTS, StandInTarget, compare, gradients, new_drafter, one_step,
                                    reference_gradients)
-from dflash.train.shapes import STEP_SHAPES, drafter_config
+from dflash.model.shapes import STEP_SHAPES, drafter_config
 from dflash.train.synthetic import synthetic_batch
 from dflash.train.timing import free_memory, matmul_peak, sync
 from dflash.train.trainer import auto_precision

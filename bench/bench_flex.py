@@ -5,7 +5,7 @@
 
 The drafter's attention (dflash.model.drafter, flex path) at a real shape: queries are the block rows, keys the
 context + block rows, the BlockMask is the drafter's (dflash.model.masks) for anchors sampled as the
-trainer samples them (dflash.train.synthetic; shapes: dflash.train.shapes.STEP_SHAPES). For each configuration of the backward kernel (tile sizes BLOCK_M1/N1 for dK/dV, M2/N2 for
+trainer samples them (dflash.train.synthetic; shapes: dflash.model.shapes.STEP_SHAPES). For each configuration of the backward kernel (tile sizes BLOCK_M1/N1 for dK/dV, M2/N2 for
 dQ, pipeline stages, warps; torch's default for the device first), flex_attention is compiled with those
 kernel options and timed: median ms of forward, and of forward + backward, with CUDA events. Every
 configuration's output and gradients are compared with the default's (max |diff| / max |ref|), so a
@@ -24,7 +24,7 @@ import torch
 from dflash.model.drafter import flex_block_mask
 from dflash.model.masks import drafter_attention_mask
 from dflash.train.blocks import build_blocks
-from dflash.train.shapes import STEP_SHAPES
+from dflash.model.shapes import STEP_SHAPES
 from dflash.train.synthetic import synthetic_batch
 from dflash.train.timing import timed
 

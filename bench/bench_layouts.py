@@ -41,7 +41,7 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.train import layouts
-from dflash.train.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
+from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.step import backward, micro_batch_sums
 from dflash.train.synthetic import collate_with_anchors, synthetic_items
 from dflash.train.timing import free_memory

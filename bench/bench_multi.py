@@ -4,7 +4,7 @@ side by side in one run, and where the drafter forward's time goes (torch.profil
     python bench/bench_multi.py --preset 27b --json out.json --profile-out prof.txt     (one H200)
     python bench/bench_multi.py                                  (a small random target on the CPU: smoke)
 
-What is measured, all in one process on one random target (dflash.train.shapes; 27b = Qwen3.5-27B's shape,
+What is measured, all in one process on one random target (dflash.model.shapes; 27b = Qwen3.5-27B's shape,
 26.9B parameters, bf16; 2 sequences x 4096 tokens, 512 anchors per sequence, block 16, 5-layer drafters):
   K = 1   today's trainer (dflash.train.trainer.Trainer._optimizer_step: its own target forward); K
           separate runs of such a drafter do K drafter-steps in K times its step time.
@@ -48,7 +48,7 @@ from dflash.config.drafters import DrafterSpec, drafter_configs
 from dflash.errors import TrainError
 from dflash.train.flops import batch_flops
 from dflash.train.multi import MultiTrainer
-from dflash.train.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
+from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.signals import StopFlag
 from dflash.train.step import micro_batch_sums
 from dflash.train.synthetic import synthetic_items

@@ -3,7 +3,7 @@
     python bench/bench_spec_step.py --preset 27b                 (one H200: random Qwen3.5-27B target, bf16)
     python bench/bench_spec_step.py --preset tiny --device cpu   (make bench-spec-step PRESET=tiny)
 
-The target is a random Qwen3.5 hybrid of the preset's shape (dflash.train.shapes.random_target, built on
+The target is a random Qwen3.5 hybrid of the preset's shape (dflash.model.shapes.random_target, built on
 the device; bf16 on a GPU, fp32 on a CPU), the drafter a random one of the reference shape (27b: hidden
 5120, 5 layers, 32 heads x 128, 8 KV heads, intermediate 17408, block 16, tapped layers [1,16,31,46,61]).
 After a prefill of --prefill tokens through dflash.decode.target_state.TargetCache, each step below is timed
@@ -44,10 +44,10 @@ from dflash.decode.spec_decode import accept_greedy
 from dflash.decode.target_state import TargetCache
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import Target
-from dflash.train.shapes import QWEN35_27B, random_target
+from dflash.model.shapes import QWEN35_27B, random_target
 from dflash.train.timing import timed
 
-# target shape (dflash.train.shapes' keys), drafter shape (DrafterConfig overrides), tapped layers
+# target shape (dflash.model.shapes' keys), drafter shape (DrafterConfig overrides), tapped layers
 PRESETS = {
     "27b": (QWEN35_27B,
             dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -53,7 +53,7 @@ from dflash.config import TrainConfig
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.target import Target
 from dflash.train.flops import batch_flops
-from dflash.train.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
+from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.step import backward, micro_batch_sums
 from dflash.train.synthetic import collate_with_anchors, synthetic_items
 from dflash.train.timing import free_memory, matmul_peak, sync
@@ -83,7 +83,7 @@ def demo_target(device: torch.device, dtype: torch.dtype) -> Target:
 
 def large_target(args, device: torch.device, dtype: torch.dtype, shape: dict | None = None) -> Target:
     """A random Qwen3.5 hybrid (3 GatedDeltaNet : 1 full attention) of `shape`, or sized by --hidden/--layers/
-    --vocab (dflash.train.shapes.scaled_qwen35_shape), built on `device`."""
+    --vocab (dflash.model.shapes.scaled_qwen35_shape), built on `device`."""
     return random_target(shape or scaled_qwen35_shape(args.hidden, args.layers, args.vocab), device, dtype)
 
 

@@ -108,7 +108,7 @@ def target_shape_from_dir(path) -> TargetShape:
 def _preset(shape: dict):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from dflash.train.shapes import mrope_sections
+    from dflash.model.shapes import mrope_sections
 
     s, L = shape, shape["layers"]
     config = Qwen3_5TextConfig(
@@ -129,7 +129,7 @@ def _preset(shape: dict):
 def preset_shape(name: str, layers: int | None = None) -> TargetShape:
     """A named target shape: '27b' (Qwen3.5-27B's text model) or 'demo' (the built-in demo's target).
     `layers` shortens a preset to that many decoder layers (same width: what a validation run loads)."""
-    from dflash.train.shapes import QWEN35_27B
+    from dflash.model.shapes import QWEN35_27B
 
     if name == "27b":
         shape = dict(QWEN35_27B, layers=layers or QWEN35_27B["layers"])

@@ -63,9 +63,9 @@ def _target_flops(target: TargetShape, mb: MicroBatch) -> float:
 
 
 def _drafter_flops(target: TargetShape, drafter: DrafterShape, mb: MicroBatch) -> float:
-    """dflash.train.flops.drafter_flops + head_flops, anchors spread evenly over the second half of each
+    """dflash.model.flops.drafter_flops + head_flops, anchors spread evenly over the second half of each
     sequence (the supervised half of dflash.train.synthetic's items)."""
-    from dflash.train.flops import drafter_flops, head_flops
+    from dflash.model.flops import drafter_flops, head_flops
 
     bs, n = drafter.block_size, mb.anchors
     mean_anchor = 0.75 * mb.seq_len

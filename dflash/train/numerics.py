@@ -44,7 +44,7 @@ def group_of(name: str) -> str:
 
 class StandInTarget:
     """What dflash.train.step reads of a Target (context, embed, lm_head, head_weight, mask_token_id), as
-    random tensors of a step shape (dflash.train.shapes.STEP_SHAPES) in `dtype`:
+    random tensors of a step shape (dflash.model.shapes.STEP_SHAPES) in `dtype`:
 
         context(ids)   [B, T, layers*H]   the tapped hidden states, the same whatever the ids
         embed(ids)     [..., H]           rows of a random [V, H] embedding table

@@ -5,7 +5,7 @@ trainer's way, for timing and checking the step without a data set.
                                             the first half, 1 on the second (the supervised "answer")}
     collate_with_anchors(items, A, device)  ({input_ids, loss_mask, attention_mask: [B, T] on the device},
                                             anchors: B sorted int64 tensors [n_b], n_b <= A)
-    synthetic_batch(shape, device)          the two above for a step shape (dflash.train.shapes.STEP_SHAPES):
+    synthetic_batch(shape, device)          the two above for a step shape (dflash.model.shapes.STEP_SHAPES):
                                             B = shape["batch"], T = shape["seq"], A = shape["anchors"]
 """
 

@@ -8,7 +8,8 @@ import torch
 
 from dflash.train.blocks import build_blocks, sample_anchors
 from dflash.data.batches import collate
-from dflash.train.flops import StepFlops, dense_mask_flops, drafter_pairs, peak_flops
+from dflash.model.flops import drafter_pairs
+from dflash.train.flops import StepFlops, dense_mask_flops, peak_flops
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import Target
 from tests.support.dflash_train_fixtures import save_chat_target

@@ -11,7 +11,7 @@ import torch
 
 from dflash.train.numerics import (STEP_VARIANTS, StandInTarget, compare, gradients, new_drafter, one_step,
                                    reference_gradients)
-from dflash.train.shapes import STEP_SHAPES, drafter_config
+from dflash.model.shapes import STEP_SHAPES, drafter_config
 from dflash.train.synthetic import synthetic_batch
 
 
