@@ -110,7 +110,7 @@ class Trainer:
                  stop: StopFlag, on_step: Callable[[int, dict], None] | None = None,
                  eval_items: list[dict] | None = None):
         from dflash.io.drafter import load_drafter
-        from dflash.model.drafter import Drafter
+        from dflash.model.dflash2 import build_drafter
 
         self.config, self.target, self.items, self.d, self.stop = config, target, items, d, stop
         self.on_step = on_step
@@ -121,7 +121,7 @@ class Trainer:
         model, optim = config.model, config.optim
         torch.manual_seed(optim.seed)  # the same initial drafter on every rank and on every rerun
         attention = attention_impl(config, d.device, self.drafter_config.head_dim)
-        self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
+        self.drafter = build_drafter(self.drafter_config, attention=attention).to(d.device)
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
         if compile_layers(config, d.device):
@@ -306,7 +306,8 @@ def drafter_config(config: TrainConfig, target):
     like the target's attention with --drafter-layers and --sliding-window."""
     from dflash.io.drafter import read_drafter_config
     from dflash.io.fit import check_fits_target
-    from dflash.model.drafter import FULL, SLIDING, DrafterConfig
+    from dflash.model.dflash2 import config_class
+    from dflash.model.drafter import FULL, SLIDING
 
     from dflash.io.engines import check_servable
 
@@ -314,11 +315,15 @@ def drafter_config(config: TrainConfig, target):
     opts = config.model
     if not opts.init_drafter:
         n, window = opts.drafter_layers, opts.sliding_window
-        return DrafterConfig.from_target(target, num_hidden_layers=n, block_size=opts.block_size,
+        return config_class(opts.drafter_kind).from_target(target, num_hidden_layers=n, block_size=opts.block_size,
                                          layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
                                          sliding_window=window or None)
     where = f"--init-drafter {opts.init_drafter}"
     init = read_drafter_config(opts.init_drafter)
+    kind = "dflash2" if isinstance(init, config_class("dflash2")) else "dflash"
+    if kind != opts.drafter_kind:
+        raise ConfigError(f"{where} is a {kind} drafter and --drafter-kind is {opts.drafter_kind}; pass "
+                          f"--drafter-kind {kind}.")
     check_fits_target(init, target, where)
     if init.block_size != opts.block_size:
         raise ConfigError(f"{where} was trained with block size {init.block_size}, --block-size is "
