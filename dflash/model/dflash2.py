@@ -140,9 +140,11 @@ class DFlash2Drafter(Drafter):
     def unary(self, logits: torch.Tensor) -> torch.Tensor:
         return unary_logits(logits, self.config.output_multiplier, self.config.final_logit_softcapping)
 
-    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head) -> torch.Tensor:
-        """Greedy proposal of one block: hidden [B,n,H] of slots 1..n, anchor_ids [B] -> tokens [B,n]."""
-        values, candidates = self.unary(lm_head(hidden).float()).topk(self.candidate_selector.top_k, dim=-1)
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head, head_dtype=None) -> torch.Tensor:
+        """Greedy proposal of one block: hidden [B,n,H] of slots 1..n, anchor_ids [B] -> tokens [B,n]
+        (`head_dtype`: what lm_head takes, when not the drafter's dtype)."""
+        logits = lm_head(hidden.to(head_dtype or hidden.dtype)).float()
+        values, candidates = self.unary(logits).topk(self.candidate_selector.top_k, dim=-1)
         return self.candidate_selector.greedy_walk(hidden, values, candidates, anchor_ids)
 
 
