@@ -214,7 +214,8 @@ class Trainer:
         # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
         with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
             sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
-                                    gamma=model.gamma, autocast_dtype=self.autocast_dtype)
+                                    gamma=model.gamma, autocast_dtype=self.autocast_dtype,
+                                    selector_missing=model.selector_missing)
             backward(sums, self.d, self.config.optim.grad_accum)
         return sums.detached()
 
