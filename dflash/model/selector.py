@@ -46,17 +46,33 @@ class CandidateSelector(nn.Module):
     def scores(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
                predecessors: torch.Tensor) -> torch.Tensor:
         """S(a, b) for each position: hidden [..., H], unary and candidates [..., K], predecessors [...]
-        (the token before each position) -> [..., K] float32."""
+        (the token before each position) -> [..., K], float32 or wider."""
         gate = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)       # [..., r]
-        pair = torch.einsum("...r,...kr->...k", gate.float(), self.successor_codebook[candidates].float())
-        return unary.float() + pair
+        dt = torch.promote_types(gate.dtype, torch.float32)  # float32 at least (float64 stays float64)
+        pair = torch.einsum("...r,...kr->...k", gate.to(dt), self.successor_codebook[candidates].to(dt))
+        return unary.to(dt) + pair
+
+    def lattice(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+                anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Every slot's K x K scores at once, as the engines score them: hidden [B,n,H], unary/candidates
+        [B,n,K], anchor_ids [B] -> [B,n,K,K] (float32 or wider), [b,t,p,c] = S_t(predecessor p, candidate c), the
+        predecessors of slot 0 being the anchor (every row alike), of slot t the candidates of slot t-1."""
+        K = candidates.shape[-1]
+        preds = torch.cat([anchor_ids[:, None, None].expand(-1, 1, K), candidates[:, :-1]], dim=1)  # [B,n,K]
+        gate = self.predecessor_codebook[preds] * self.hidden_projection(hidden).unsqueeze(2)     # [B,n,K,r]
+        dt = torch.promote_types(gate.dtype, torch.float32)
+        pair = torch.einsum("btpr,btcr->btpc", gate.to(dt), self.successor_codebook[candidates].to(dt))
+        return unary.to(dt).unsqueeze(2) + pair
 
     def greedy_walk(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
                     anchor_ids: torch.Tensor) -> torch.Tensor:
-        """The temperature-0 path: hidden [B,n,H], unary/candidates [B,n,K], anchor_ids [B] -> tokens [B,n]."""
-        previous, path = anchor_ids, []
+        """The temperature-0 path: hidden [B,n,H], unary/candidates [B,n,K], anchor_ids [B] -> tokens [B,n]:
+        slot 0 takes the best candidate after the anchor, slot t the best after slot t-1's pick."""
+        lattice = self.lattice(hidden, unary, candidates, anchor_ids)                          # [B,n,K,K]
+        index = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        picks = []
         for t in range(hidden.shape[1]):
-            s = self.scores(hidden[:, t], unary[:, t], candidates[:, t], previous)          # [B,K]
-            previous = candidates[:, t].gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)
-            path.append(previous)
-        return torch.stack(path, dim=1)
+            row = lattice[:, t].gather(1, index[:, None, None].expand(-1, 1, lattice.shape[-1])).squeeze(1)
+            index = row.argmax(-1)
+            picks.append(index)
+        return candidates.gather(-1, torch.stack(picks, dim=1).unsqueeze(-1)).squeeze(-1)

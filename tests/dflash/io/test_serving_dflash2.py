@@ -134,6 +134,7 @@ def test_vllm_convolution_and_selector_scores_equal_ours(tmp_path):
             sel = ours.candidate_selector
             lattice = module._score_edges_reference(sel.predecessor_codebook, sel.successor_codebook, candidates,
                                                     unary, sel.hidden_projection(hidden), anchors, K)
+            torch.testing.assert_close(lattice, sel.lattice(hidden, unary, candidates, anchors), rtol=0, atol=1e-6)
             for t in range(n):
                 previous = anchors[:, None].expand(-1, K) if t == 0 else candidates[:, t - 1]
                 for p in range(K):
