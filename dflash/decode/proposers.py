@@ -11,8 +11,8 @@ attending to the cached context keys, instead of re-projecting the whole context
 `Drafter.forward` (the training path) is the reference it is tested against.
 
 A DFlash2 drafter (dflash.model.dflash2) runs its block-local convolutions around each sublayer the
-same way, and proposes the selector's greedy walk over its top-K candidates (the engines' temperature-0
-path); sampling its lattice walk at temperature > 0 is not implemented here.
+same way, and proposes the selector's walk over its top-K candidates: greedy at temperature 0, sampled
+row by row at temperature > 0 with q the realized rows' distributions (what the engines verify against).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from dflash.errors import DflashError
 from dflash.model.masks import drafter_attention_mask
 from dflash.model.drafter import SLIDING, Drafter, apply_rope, rope_cos_sin
 
@@ -157,11 +156,11 @@ class DrafterProposer:
             self._context = new_context if self._context is None else torch.cat([self._context, new_context], 1)
             hidden = self.drafter(self._context, target.embed(block), torch.tensor([[anchor]], device=target.device))
         if getattr(self.drafter, "kind", "dflash") == "dflash2":
-            if sampler.temperature > 0:
-                raise DflashError("a DFlash2 drafter is evaluated at temperature 0 only here (the engines sample "
-                                  "its candidate walk and verify against the realized top-K scores, which this "
-                                  "evaluator does not implement); pass --temperature 0")
             anchor_id = torch.tensor([token_ids[-1]], device=target.device)
+            if sampler.temperature > 0:
+                tokens, q = self.drafter.propose_sampled(hidden[:, 1:], anchor_id, target.lm_head, sampler.temperature,
+                                                         sampler.generator, target.dtype)
+                return Draft(tokens.tolist(), q)
             return Draft(self.drafter.propose(hidden[:, 1:], anchor_id, target.lm_head, target.dtype)[0].tolist())
         logits = target.lm_head(hidden[0, 1:].to(target.dtype))                               # [bs-1,V]
         if sampler.temperature <= 0:

@@ -140,12 +140,22 @@ class DFlash2Drafter(Drafter):
     def unary(self, logits: torch.Tensor) -> torch.Tensor:
         return unary_logits(logits, self.config.output_multiplier, self.config.final_logit_softcapping)
 
-    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head, head_dtype=None) -> torch.Tensor:
-        """Greedy proposal of one block: hidden [B,n,H] of slots 1..n, anchor_ids [B] -> tokens [B,n]
-        (`head_dtype`: what lm_head takes, when not the drafter's dtype)."""
+    def candidates(self, hidden: torch.Tensor, lm_head, head_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unary values, candidate ids) [B,n,K] of hidden [B,n,H] (`head_dtype`: what lm_head takes)."""
         logits = lm_head(hidden.to(head_dtype or hidden.dtype)).float()
-        values, candidates = self.unary(logits).topk(self.candidate_selector.top_k, dim=-1)
+        return self.unary(logits).topk(self.candidate_selector.top_k, dim=-1)
+
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head, head_dtype=None) -> torch.Tensor:
+        """Greedy proposal of one block: hidden [B,n,H] of slots 1..n, anchor_ids [B] -> tokens [B,n]."""
+        values, candidates = self.candidates(hidden, lm_head, head_dtype)
         return self.candidate_selector.greedy_walk(hidden, values, candidates, anchor_ids)
+
+    def propose_sampled(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head, temperature: float,
+                        generator: torch.Generator | None, head_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's proposal at temperature > 0: (tokens [n], q [n,V]) (CandidateSelector.sampled_walk)."""
+        values, candidates = self.candidates(hidden, lm_head, head_dtype)
+        return self.candidate_selector.sampled_walk(hidden, values, candidates, anchor_ids, temperature, generator,
+                                                    self.config.vocab_size)
 
 
 def config_class(kind: str) -> type[DrafterConfig]:

@@ -76,3 +76,21 @@ class CandidateSelector(nn.Module):
             index = row.argmax(-1)
             picks.append(index)
         return candidates.gather(-1, torch.stack(picks, dim=1).unsqueeze(-1)).squeeze(-1)
+
+    def sampled_walk(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+                     anchor_ids: torch.Tensor, temperature: float, generator: torch.Generator | None,
+                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The walk at temperature > 0, one sequence (B = 1): each slot samples its candidate from
+        softmax(row / temperature) of the row after the previous pick (vLLM's Gumbel draw, SGLang's inverse
+        CDF and the reference's multinomial all sample this distribution). Returns tokens [n] and q [n,V]
+        float32: the realized rows' distributions over the vocabulary (zero off the candidates), the q that
+        speculative sampling checks the draft against."""
+        lattice = self.lattice(hidden, unary, candidates, anchor_ids)[0].float().cpu()         # [n,K,K]
+        cands = candidates[0].cpu()
+        index, tokens, q = 0, [], torch.zeros(lattice.shape[0], vocab_size)
+        for t in range(lattice.shape[0]):
+            probs = torch.softmax(lattice[t, index] / temperature, dim=-1)
+            index = int(torch.multinomial(probs, 1, generator=generator))
+            q[t].index_add_(0, cands[t], probs)
+            tokens.append(int(cands[t, index]))
+        return torch.tensor(tokens), q
