@@ -316,9 +316,12 @@ def drafter_config(config: TrainConfig, target):
     opts = config.model
     if not opts.init_drafter:
         n, window = opts.drafter_layers, opts.sliding_window
-        return config_class(opts.drafter_kind).from_target(target, num_hidden_layers=n, block_size=opts.block_size,
-                                         layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
-                                         sliding_window=window or None)
+        try:  # a DFlash2 drafter's shape can misfit the target (16-channel convolution groups)
+            return config_class(opts.drafter_kind).from_target(
+                target, num_hidden_layers=n, block_size=opts.block_size,
+                layer_types=[SLIDING] * (n - 1) + [FULL] if window else [], sliding_window=window or None)
+        except ValueError as exc:
+            raise ConfigError(f"--drafter-kind {opts.drafter_kind} cannot be shaped like this target: {exc}") from None
     where = f"--init-drafter {opts.init_drafter}"
     init = read_drafter_config(opts.init_drafter)
     kind = "dflash2" if isinstance(init, config_class("dflash2")) else "dflash"

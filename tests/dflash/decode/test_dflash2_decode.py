@@ -2,6 +2,8 @@
 greedy walk; at temperature 1 its sampled walk, verified against the realized rows, emits the target's
 distribution; its cached context computes what its uncached forward computes."""
 
+import json
+
 import pytest
 import torch
 
@@ -112,3 +114,20 @@ def test_the_sampled_walk_draws_from_the_q_it_reports(tmp_path):
     assert chi_square_p([int(t[1]) for t, _ in group], group[0][1][1]) > ALPHA
     assert sorted(set(firsts)) != [common]  # the walk did branch: slot 2's q depends on slot 1's pick
     assert any(not torch.equal(q[1], group[0][1][1]) for t, q in draws if int(t[0]) != common)
+
+
+def test_dflash_eval_compares_a_dflash_and_a_dflash2_drafter_on_the_same_prompts(run, capsys):
+    from dflash.cli import eval_main
+
+    first = run / "dflash"
+    argv = train_args(run / "target", run / "chat.jsonl", first, max_steps=1, target_layer_ids="0,1,2",
+                      drafter_layers=2, sliding_window=3)
+    assert train_main(argv) == 0
+    capsys.readouterr()
+    assert eval_main(["--target", str(run / "target"), "--drafter", str(first / "drafter"),
+                      "--compare", str(run / "run" / "drafter"), "--data", str(run / "chat.jsonl"), "--limit", "2",
+                      "--max-new-tokens", "8", "--no-baselines", "--device", "cpu", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert list(results) == ["drafter", "dflash2 drafter"]
+    for r in results.values():
+        assert r["lossless"] is True and len(r["accept_per_pos"]) == 3 and r["n_prompts"] == 2
