@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.errors import ConfigError
 from dflash.model.drafter import Drafter, DrafterConfig, DrafterLayer
 from dflash.model.selector import CandidateSelector, unary_logits
 
@@ -160,6 +161,22 @@ class DFlash2Drafter(Drafter):
 
 def config_class(kind: str) -> type[DrafterConfig]:
     return {"dflash": DrafterConfig, "dflash2": DFlash2Config}[kind]
+
+
+def config_for_target(kind: str, target, **fields) -> DrafterConfig:
+    """A new drafter config of `kind` shaped like `target` (DrafterConfig.from_target), or a ConfigError
+    naming what misfits (a DFlash2 drafter's 16-channel convolution groups, say)."""
+    try:
+        return config_class(kind).from_target(target, **fields)
+    except ValueError as exc:
+        raise ConfigError(f"--drafter-kind {kind} cannot be shaped like this target: {exc}") from None
+
+
+def check_kind(config: DrafterConfig, kind: str, where: str) -> None:
+    """A ConfigError unless `config` (an existing drafter's, at `where`) is of drafter kind `kind`."""
+    found = "dflash2" if isinstance(config, DFlash2Config) else "dflash"
+    if found != kind:
+        raise ConfigError(f"{where} is a {found} drafter and --drafter-kind is {kind}; pass --drafter-kind {found}.")
 
 
 def build_drafter(config: DrafterConfig, attention: str = "sdpa") -> Drafter:

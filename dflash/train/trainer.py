@@ -307,7 +307,7 @@ def drafter_config(config: TrainConfig, target):
     like the target's attention with --drafter-layers and --sliding-window."""
     from dflash.io.drafter import read_drafter_config
     from dflash.io.fit import check_fits_target
-    from dflash.model.dflash2 import config_class
+    from dflash.model.dflash2 import check_kind, config_for_target
     from dflash.model.drafter import FULL, SLIDING
 
     from dflash.io.engines import check_servable
@@ -316,18 +316,12 @@ def drafter_config(config: TrainConfig, target):
     opts = config.model
     if not opts.init_drafter:
         n, window = opts.drafter_layers, opts.sliding_window
-        try:  # a DFlash2 drafter's shape can misfit the target (16-channel convolution groups)
-            return config_class(opts.drafter_kind).from_target(
-                target, num_hidden_layers=n, block_size=opts.block_size,
-                layer_types=[SLIDING] * (n - 1) + [FULL] if window else [], sliding_window=window or None)
-        except ValueError as exc:
-            raise ConfigError(f"--drafter-kind {opts.drafter_kind} cannot be shaped like this target: {exc}") from None
+        return config_for_target(opts.drafter_kind, target, num_hidden_layers=n, block_size=opts.block_size,
+                                 layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
+                                 sliding_window=window or None)
     where = f"--init-drafter {opts.init_drafter}"
     init = read_drafter_config(opts.init_drafter)
-    kind = "dflash2" if isinstance(init, config_class("dflash2")) else "dflash"
-    if kind != opts.drafter_kind:
-        raise ConfigError(f"{where} is a {kind} drafter and --drafter-kind is {opts.drafter_kind}; pass "
-                          f"--drafter-kind {kind}.")
+    check_kind(init, opts.drafter_kind, where)
     check_fits_target(init, target, where)
     if init.block_size != opts.block_size:
         raise ConfigError(f"{where} was trained with block size {init.block_size}, --block-size is "

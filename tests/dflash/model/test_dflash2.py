@@ -94,3 +94,19 @@ def test_a_dflash_drafter_keeps_its_layout(tmp_path):
     data = json.loads((directory / "config.json").read_text())
     assert data["architectures"] == ["DFlashDraftModel"] and "selector_rank" not in data["dflash_config"]
     assert type(load_drafter(directory)) is Drafter
+
+
+def test_a_dflash2_shape_that_misfits_the_target_is_a_config_error(tmp_path):
+    from dflash.errors import ConfigError
+    from dflash.model.dflash2 import check_kind, config_for_target
+    from dflash.model.target import Target
+    from tests.support.dflash_tiny import save_tiny_target
+
+    target = Target.load(save_tiny_target(tmp_path / "t", "qwen3"))
+    made = config_for_target("dflash2", target, block_size=4)
+    assert (made.conv_group_size, made.conv_kernel_size, made.selector_rank, made.selector_top_k) == (16, 2, 256, 16)
+    with pytest.raises(ConfigError, match="conv_group_size 5 must divide hidden_size 32"):
+        config_for_target("dflash2", target, block_size=4, conv_group_size=5)
+    check_kind(made, "dflash2", "here")
+    with pytest.raises(ConfigError, match="here is a dflash2 drafter and --drafter-kind is dflash"):
+        check_kind(made, "dflash", "here")
