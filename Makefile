@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-drafter bench-flex bench-fit bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-multi bench-drafter bench-flex bench-fit bench-plan bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
 
+bench-multi: venv  ## several drafters on one target pass: drafter-steps/s for K = 1, 2, 3 vs K separate runs, drafter forward profile (27B shape on a GPU)
+	$(PY) bench/bench_multi.py
+
 bench-drafter: venv  ## the drafter micro-batch alone at the 27B shape: before/after variants side by side, TFLOP/s, memory, gradients vs fp32 (GPU)
 	$(PY) bench/bench_drafter.py --numerics
 
@@ -67,6 +70,9 @@ bench-flex: venv  ## flex_attention backward tile configurations at the drafter'
 
 bench-fit: venv  ## largest anchors x sequence length whose training micro-batch fits beside a 27B-shape target (GPU)
 	$(PY) bench/bench_fit.py
+
+bench-plan: venv  ## the memory model of `dflash plan` fitted on some shapes, predicted and measured on others (GPU)
+	$(PY) bench/bench_plan.py
 
 bench-scaling: venv  ## multi-GPU: the training loop under torchrun on 1 and N processes (efficiency, same-loss check)
 	$(PY) bench/bench_scaling.py

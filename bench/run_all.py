@@ -7,7 +7,7 @@ Each benchmark is its `make bench-*` target, in the Makefile's order: the Makefi
 their defaults (TARGET, DRAFTER, PRESET given to `make bench` reach every target). Before each one, what
 it needs is checked here:
 
-    gpu        a CUDA GPU torch can see: bench-drafter and bench-fit (27B shape), bench-flex, and
+    gpu        a CUDA GPU torch can see: bench-drafter, bench-fit and bench-plan (27B shape), bench-flex, and
                bench-spec-step at PRESET=27b (PRESET=tiny runs on a CPU)
     nvcc       a CUDA toolkit on this machine (bench-build compiles natively)
     docker     a Docker engine that answers, or root (the targets' `engine` prerequisite starts one)
@@ -37,9 +37,11 @@ REPO = Path(__file__).resolve().parent.parent
 NEEDS = {
     "bench-build": ("nvcc",),
     "bench-train": (),
+    "bench-multi": (),
     "bench-drafter": ("gpu",),
     "bench-flex": ("gpu",),
     "bench-fit": ("gpu",),
+    "bench-plan": ("gpu",),
     "bench-scaling": (),
     "bench-kernels": (),
     "bench-loss": (),

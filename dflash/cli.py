@@ -1,15 +1,18 @@
-"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,export,regenerate,report,doctor,healthcheck}`.
+"""Command line: `dflash-train`, `dflash-eval`, and `dflash {train,eval,export,regenerate,report,plan,doctor,healthcheck}`.
 
     dflash-train                                          the built-in demo, end to end (prints tau)
     dflash-train --target DIR --data FILE.jsonl --out DIR train a drafter (every option: --help)
     dflash-train --out DIR --resume                       continue a stopped run
     torchrun --nproc-per-node 8 -m dflash.cli train ...   one process per GPU
     dflash-train --init-drafter DIR ...                   continue training a drafter (a published one too)
+    dflash-train --config sweep.toml                      several drafters on one target pass ([[drafters]])
     dflash-eval --target DIR --drafter DIR --data FILE.jsonl   tau, tokens/s, losslessness
     dflash export OLD_DIR NEW_DIR --target DIR            an older project drafter -> the reference layout
     dflash regenerate --target DIR --data IN.jsonl --out OUT.jsonl   responses by the target itself
     dflash regenerate --endpoint URL --model NAME --data IN.jsonl --out OUT.jsonl   ... by a vLLM/SGLang server
-    dflash report RUN_DIR                                 plots and a summary of a run (also written at its end)
+    dflash report RUN_DIR                                 plots and a summary of a run (also written at its end;
+                                                          a run of several drafters: also one table and plot of all)
+    dflash plan --target 27b --card rtx-pro-6000 --gpus 8 which --layout fits, per-rank memory, tokens/s
     dflash doctor [...] / dflash healthcheck [...]        kernel report / the image's health check
 
 `dflash-train` is the image's entrypoint, so `docker run dflash-train doctor` must reach the doctor:
@@ -64,11 +67,25 @@ def train_config(argv: list[str]) -> TrainConfig:
 
 def _train(argv) -> int:
     config = train_config(argv)
+    specs = _drafter_specs(argv, config)
     if config.is_demo:
+        if specs:
+            raise ConfigError("several drafters per run need --target and --data (the built-in demo trains one).")
         from dflash.demo.pipeline import run_demo
         return run_demo(config)
     from dflash.train.trainer import train
+    if specs:
+        from dflash.train.multi import train_multi
+        return train_multi(config, specs).exit_code
     return train(config).exit_code
+
+
+def _drafter_specs(argv: list[str], config: TrainConfig) -> list:
+    """The drafters of a several-drafter run (the --config file's `drafters`, or a resumed run's); [] for one."""
+    from dflash.config.drafters import resolve_drafters
+
+    config_file = getattr(train_parser().parse_args(argv), "config", None)
+    return resolve_drafters(config_file, config.io.out, config.io.resume)
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -217,18 +234,34 @@ def report_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash report", description="Plots (loss, per-position acceptance, tau, "
                                 "throughput) and a Markdown summary of a dflash-train run, from its metrics.jsonl, "
                                 "into RUN_DIR/report. Every run writes them at its end; this writes them again, "
-                                "also while the run goes on.")
+                                "also while the run goes on. A run of several drafters gets each drafter's report "
+                                "and one table and plot comparing them (RUN_DIR/report/compare.md, compare.png).")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the --out dir of a dflash-train run")
     add_version(p)
     return p
 
 
 def _report(argv) -> int:
+    from dflash.train.run_compare import is_multi_run, write_comparison
     from dflash.train.run_report import write_report
 
     args = report_parser().parse_args(argv)
-    print(f"wrote {write_report(args.run_dir, warn=lambda m: print(f'dflash report: warning: {m}', file=sys.stderr))}")
+    warn = lambda m: print(f"dflash report: warning: {m}", file=sys.stderr)  # noqa: E731
+    if not is_multi_run(args.run_dir):
+        print(f"wrote {write_report(args.run_dir, warn=warn)}")
+        return 0
+    from dflash.config.drafters import drafter_out, read_plan
+
+    for spec in read_plan(args.run_dir):  # each drafter's own report, then the table and plot of all
+        print(f"wrote {write_report(drafter_out(args.run_dir, spec.name), warn=warn)}")
+    print(f"wrote {write_comparison(args.run_dir)}")
     return 0
+
+
+def _plan(argv) -> int:
+    from dflash.plan.command import main as plan_main
+
+    return plan_main(argv)
 
 
 # --- dflash ----------------------------------------------------------------------------------------
@@ -255,6 +288,7 @@ COMMANDS: dict[str, Subcommand] = {
     "export": Subcommand(_export, "convert an older project drafter into the reference DFlash layout"),
     "regenerate": Subcommand(_regenerate, "rewrite a chat JSONL's answers with the target's own responses"),
     "report": Subcommand(_report, "plots and a summary of a training run (RUN_DIR/report)"),
+    "plan": Subcommand(_plan, "which --layout fits a card: each rank's predicted peak memory and tokens/s"),
     "doctor": Subcommand(_doctor_command("dflash.doctor.doctor"),
                          "report the GatedDeltaNet kernels, versions and arch coverage", framed=False),
     "healthcheck": Subcommand(_doctor_command("dflash.doctor.healthcheck"),

@@ -14,7 +14,9 @@ The format follows the suffix: .yaml/.yml (PyYAML), .json, .toml (tomllib). Keys
 `dflash-train --help`; an unknown key, or an option under another section than its own, fails and names
 the fix. Values are checked against each option's type here (YAML reads `6e-4` as a string: numbers in
 strings are converted as the command line would), and the whole config is checked by TrainConfig
-afterwards. The run's resolved config is written to <out>/config.json as always, so `--config
+afterwards. A `drafters` list (TOML: `[[drafters]]` tables) names several drafters trained on one target
+pass; dflash.config.drafters reads it (`read_drafter_entries`), the other keys are read here. The run's
+resolved config is written to <out>/config.json as always, so `--config
 <out>/config.json` repeats a run (also the flat config.json of runs written before the sections).
 """
 
@@ -58,4 +60,13 @@ def read_config_file(path) -> dict:
         raise ConfigError(f"--config {path}: the file must hold a mapping of option: value, "
                           f"not a {type(data).__name__}.")
     where = f"--config {path}"
+    data = {k: v for k, v in data.items() if k != "drafters"}  # dflash.config.drafters reads those
     return flatten(data, where, lambda name, key, value: convert_value(name, value, f"{where}: '{key}'"))
+
+
+def read_drafter_entries(path) -> list | None:
+    """The raw `drafters` list of the config file `path` (None when it has none); dflash.config.drafters
+    checks and converts it."""
+    path = Path(path)
+    data = _parse(path)
+    return data.get("drafters") if isinstance(data, dict) else None

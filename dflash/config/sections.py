@@ -181,6 +181,9 @@ class RuntimeConfig(Section):
     compile: str = opt("auto", "compile the drafter's decoder layers with torch.compile: 'auto' (on GPU), 'on', 'off' "
                        "(a first step that compiles takes about a minute longer; later steps are faster)",
                        choices=("auto", "on", "off"))
+    memory_check: bool = opt(True, "before the target loads, refuse a --layout whose peak memory the memory model "
+                              "(dflash plan) puts over what the GPU allows this process, naming a layout and batch "
+                              "that fit; off: start anyway (no check on a CPU)")
     cpu_threads: int = opt(0, "threads for CPU tensor ops (0: torch's default, one per core; the demo's default "
                               "is 1). CPU results depend on the thread count (it splits float sums), so a fixed count "
                               "makes a CPU run repeatable whatever the core count; 1 also avoids oversubscription on "

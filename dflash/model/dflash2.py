@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.errors import ConfigError
-from dflash.model.drafter import Drafter, DrafterConfig, DrafterLayer
+from dflash.model.drafter import FULL, SLIDING, Drafter, DrafterConfig, DrafterLayer
 from dflash.model.selector import CandidateSelector, unary_logits
 
 KINDS = ("dflash", "dflash2")
@@ -163,11 +163,15 @@ def config_class(kind: str) -> type[DrafterConfig]:
     return {"dflash": DrafterConfig, "dflash2": DFlash2Config}[kind]
 
 
-def config_for_target(kind: str, target, **fields) -> DrafterConfig:
-    """A new drafter config of `kind` shaped like `target` (DrafterConfig.from_target), or a ConfigError
-    naming what misfits (a DFlash2 drafter's 16-channel convolution groups, say)."""
+def config_for_target(kind: str, target, layers: int, block_size: int, sliding_window: int = 0,
+                      **fields) -> DrafterConfig:
+    """A new drafter config of `kind` shaped like `target` (DrafterConfig.from_target): `layers` layers,
+    all but the last sliding_attention when `sliding_window` > 0; or a ConfigError naming what misfits (a
+    DFlash2 drafter's 16-channel convolution groups, say)."""
+    types = [SLIDING] * (layers - 1) + [FULL] if sliding_window else []
     try:
-        return config_class(kind).from_target(target, **fields)
+        return config_class(kind).from_target(target, num_hidden_layers=layers, block_size=block_size,
+                                              layer_types=types, sliding_window=sliding_window or None, **fields)
     except ValueError as exc:
         raise ConfigError(f"--drafter-kind {kind} cannot be shaped like this target: {exc}") from None
 

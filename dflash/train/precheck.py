@@ -7,7 +7,9 @@ From the file system, the target's config.json and its tokenizer alone:
   are layers of the target; the mask token resolves, and both are ones vLLM and SGLang serve
   (dflash.io.engines: not the last layer; the tokenizer's <|MASK|>);
 - with --resume: the checkpoint to continue from is there and readable (its drafter's header and its
-  trainer state, read without their tensor data).
+  trainer state, read without their tensor data);
+- on a GPU: the memory model (dflash.plan) says the --layout and micro-batch fit the memory this process may
+  use (unless --no-memory-check).
 Each failure is the same error, with the same message, that the full load would give later.
 """
 
@@ -151,9 +153,21 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
 
 
-def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True) -> None:
+def check_memory(config: TrainConfig, world_size: int, device, card_gb_for_tests: float | None = None) -> None:
+    """The run's layout and micro-batch against the memory model (dflash.plan.planner.check_training_fits):
+    the card's memory is what this process may use on `device` (None on a CPU: no check), or
+    `card_gb_for_tests`, the seam through which a CPU test stands in a card of that size."""
+    from dflash.plan.planner import check_training_fits, visible_card_gb
+
+    card_gb = card_gb_for_tests if card_gb_for_tests is not None else visible_card_gb(device)
+    check_training_fits(config, world_size, card_gb, getattr(config.runtime, "layout", "replicate"))
+
+
+def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True, world_size: int = 1,
+                         device=None, card_gb_for_tests: float | None = None) -> None:
     if data:
         check_data_paths(config)
     if target:
         check_target_cheaply(config)
+        check_memory(config, world_size, device, card_gb_for_tests)
     check_resume_checkpoint(config)

@@ -6,6 +6,8 @@ a time, and the refusal to start a new run over an old one.
     <out>/metrics.jsonl      one record per optimizer step and per evaluation (dflash.train.monitor)
     <out>/checkpoints/       step-NNNNNNNN/ and `latest` (inside a checkpoint: dflash.train.checkpoint)
     <out>/drafter/           the final drafter, in the layout vLLM and SGLang serve
+    <out>/drafters/NAME/     with several drafters per run (dflash.train.multi): each drafter's own run
+                             directory (config.json, metrics.jsonl, checkpoints/, drafter/, report/)
     <out>/report/            plots and report.md (dflash.train.run_report)
     <out>/tensorboard/       --report-to tensorboard; wandb/ with --report-to wandb (wandb names it)
     <out>/demo-data.jsonl    the demo's conversations, answered by the demo target
@@ -59,6 +61,7 @@ class RunDir:
     metrics = property(lambda self: self.root / "metrics.jsonl")
     checkpoints = property(lambda self: self.root / "checkpoints")
     drafter = property(lambda self: self.root / "drafter")
+    drafters = property(lambda self: self.root / "drafters")
     report = property(lambda self: self.root / "report")
     tensorboard = property(lambda self: self.root / "tensorboard")
     wandb = property(lambda self: self.root / "wandb")  # wandb.init(dir=root) writes here
@@ -68,7 +71,7 @@ class RunDir:
 
     def run_files(self) -> list[Path]:
         """What a run wrote here (and the leftovers of one killed while writing), as found now."""
-        named = [self.config, self.log, self.metrics, self.checkpoints, self.drafter, self.report,
+        named = [self.config, self.log, self.metrics, self.checkpoints, self.drafter, self.drafters, self.report,
                  self.tensorboard, self.wandb, self.demo_data, self.eval_results]
         leftovers = [p for pattern in (f".{self.drafter.name}.tmp-*", f".{self.drafter.name}.old-*", ".overwrite-*")
                      for p in sorted(self.root.glob(pattern))]
@@ -96,13 +99,13 @@ class RunDir:
 
     def holds_run(self) -> bool:
         """Whether a run lives here: its config.json, metrics, checkpoints or drafter."""
-        return any(p.exists() for p in (self.config, self.metrics, self.checkpoints, self.drafter))
+        return any(p.exists() for p in (self.config, self.metrics, self.checkpoints, self.drafter, self.drafters))
 
     def _describe(self) -> str:
         from dflash.train.checkpoint import read_latest
 
         found = [p.name + ("/" if p.is_dir() else "") for p in (self.config, self.metrics, self.checkpoints,
-                                                                 self.drafter) if p.exists()]
+                                                                 self.drafter, self.drafters) if p.exists()]
         latest = read_latest(self.checkpoints) if self.checkpoints.is_dir() else None
         return ", ".join(found) + (f"; latest checkpoint {latest}" if latest else "")
 

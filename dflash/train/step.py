@@ -26,7 +26,7 @@ import torch
 from dflash import distributed
 from dflash.train.blocks import build_blocks
 from dflash.train.head_loss import fused_weighted_ce
-from dflash.train.losses import weighted_ce_from_hidden
+from dflash.train.losses import LOSS_CHUNK_ROWS, weighted_ce_from_hidden
 from dflash.train.selector_loss import dflash2_sums
 
 
@@ -93,7 +93,8 @@ def summarize(totals: torch.Tensor, block_size: int, grad_norm: torch.Tensor | N
 def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: list[torch.Tensor], *,
                      block_size: int, gamma: float | None, autocast_dtype: torch.dtype,
                      mark: Callable[[str], None] | None = None, keep_correct: bool = False,
-                     fused_head: bool = True, selector_missing: str = "drop") -> StepSums:
+                     fused_head: bool = True, context: torch.Tensor | None = None,
+                     selector_missing: str = "drop") -> StepSums:
     """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
 
     batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate); anchors: one
@@ -102,13 +103,16 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
     synchronises and reads its clock there; training passes None). keep_correct also returns the
     per-block correct mask (dflash.train_eval's replay of greedy verification). fused_head=False (or a
     head that is no bias-free Linear) takes losses.weighted_ce_from_hidden instead: the same loss with
-    checkpointed chunks (bench/bench_drafter.py's "before"). A DFlash2 drafter's loss adds its selector
-    term (dflash.train.selector_loss; `selector_missing` picks the published variant).
+    checkpointed chunks (bench/bench_drafter.py's "before"). `context` is target.context(input_ids,
+    attention_mask) when the caller already ran it (several drafters on one target pass: dflash.train.multi).
+    A DFlash2 drafter's loss adds its selector term (dflash.train.selector_loss; `selector_missing` picks
+    the published variant).
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     blocks = build_blocks(ids, loss_mask * attn, anchors, block_size, target.mask_token_id)
     B, N = blocks.anchors.shape
-    context = target.context(ids, attn)
+    if context is None:
+        context = target.context(ids, attn)
     with torch.no_grad():
         block_embeds = target.embed(blocks.block_ids.view(B, N * block_size))
     if mark:
@@ -148,3 +152,16 @@ def backward(sums: StepSums, d: distributed.Dist, grad_accum: int) -> None:
     global_w = distributed.all_reduce_sum(d, sums.weight.detach().clone())
     scale = d.world_size / (global_w.clamp(min=1e-12) * grad_accum)
     (sums.loss_sum * scale).backward()
+
+
+def oom_message(config, shape: tuple[int, int], n_anchors: int, vocab: int) -> str:
+    """What an out-of-memory error on a micro-batch of `shape` [B, T] says: its size and the knobs that shrink it."""
+    (B, T), model, optim = shape, config.model, config.optim
+    return (
+        f"out of memory on a micro-batch of {B} x {T} tokens with {n_anchors} anchors x block "
+        f"{model.block_size} ({n_anchors * model.block_size} drafter positions; logits over {vocab} tokens "
+        f"are taken {LOSS_CHUNK_ROWS} rows at a time). "
+        f"Lower --max-anchors (now {model.max_anchors}), --max-tokens (now {optim.max_tokens}), "
+        f"--batch-size (now {optim.batch_size}) or --max-length (now {model.max_length}); "
+        "raise --grad-accum to keep the same tokens per optimizer step."
+    )

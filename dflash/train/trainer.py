@@ -28,10 +28,9 @@ from dflash.train import checkpoint as ckpt
 from dflash import distributed
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.config import TrainConfig
-from dflash.data.batches import DataOrder, data_fingerprint, item_lengths, load_items
+from dflash.data.batches import DataOrder, collate, data_fingerprint, item_lengths, load_items
 from dflash.train.heartbeat import Heartbeat
 from dflash.errors import CheckpointError, ConfigError, DflashError, TrainError
-from dflash.train.losses import LOSS_CHUNK_ROWS
 from dflash.train.precheck import check_before_loading
 from dflash.train.schedule import lr_lambda
 from dflash.train.signals import StopFlag
@@ -39,7 +38,7 @@ from dflash.train.evaluation import SplitEvaluator, eval_split
 from dflash.train.flops import StepFlops
 from dflash.train.monitor import MonitorPlan, RunMonitor, setup_logging
 from dflash.train.rundir import RunDir
-from dflash.train.step import StepSums, backward, micro_batch_sums, summarize
+from dflash.train.step import StepSums, backward, micro_batch_sums, oom_message, summarize
 
 log = logging.getLogger("dflash.train")
 
@@ -89,18 +88,6 @@ def precision(config: TrainConfig, device: torch.device) -> torch.dtype:
     if config.runtime.precision == "auto":
         return auto_precision(device)
     return torch.bfloat16 if config.runtime.precision == "bf16" else torch.float32
-
-
-def _oom_message(config: TrainConfig, shape: tuple[int, int], n_anchors: int, vocab: int) -> str:
-    (B, T), model, optim = shape, config.model, config.optim
-    return (
-        f"out of memory on a micro-batch of {B} x {T} tokens with {n_anchors} anchors x block "
-        f"{model.block_size} ({n_anchors * model.block_size} drafter positions; logits over {vocab} tokens "
-        f"are taken {LOSS_CHUNK_ROWS} rows at a time). "
-        f"Lower --max-anchors (now {model.max_anchors}), --max-tokens (now {optim.max_tokens}), "
-        f"--batch-size (now {optim.batch_size}) or --max-length (now {model.max_length}); "
-        "raise --grad-accum to keep the same tokens per optimizer step."
-    )
 
 
 class Trainer:
@@ -189,10 +176,8 @@ class Trainer:
         return path
 
     # --- one micro-batch ---------------------------------------------------------------------------
-    def _collate_shard(self, epoch: int, indices: list[int]) -> tuple[dict, list[torch.Tensor]]:
-        """This rank's share of a global micro-batch, collated, with each sequence's anchors."""
-        from dflash.data.batches import collate
-
+    def _shard(self, indices: list[int]) -> tuple[list[int], list[dict]]:
+        """This rank's share of a global micro-batch: (sample indices, items)."""
         mine = distributed.shard(indices, self.d)
         stand_in = not mine
         if stand_in:  # fewer sequences than ranks: a zero-weight copy keeps this rank in the backward
@@ -200,42 +185,56 @@ class Trainer:
         items = [self.items[i] for i in mine]
         if stand_in:
             items = [{**items[0], "loss_mask": torch.zeros_like(items[0]["loss_mask"])}]
+        return mine, items
+
+    def _anchors(self, epoch: int, mine: list[int], items: list[dict]) -> list[torch.Tensor]:
+        """Each sequence's anchors (its own generator: the same whatever else the run trains), counted."""
         anchors = []
         for i, item in zip(mine, items):
             g = torch.Generator().manual_seed(anchor_seed(self.config.optim.seed, epoch, i))
             anchors.append(sample_anchors(item["loss_mask"], self.config.model.max_anchors, g))
         self.monitor.count(items, anchors)
+        return anchors
+
+    def _collate_shard(self, epoch: int, indices: list[int]) -> tuple[dict, list[torch.Tensor]]:
+        """This rank's share of a global micro-batch, collated, with each sequence's anchors."""
+        mine, items = self._shard(indices)
+        anchors = self._anchors(epoch, mine, items)
         batch = collate(items, self.pad_id)
         return {k: v.to(self.d.device) for k, v in batch.items()}, anchors
 
-    def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool) -> StepSums:
-        """Forward + backward of one micro-batch (gradients accumulate); returns its sums, detached."""
+    def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool,
+                    context: torch.Tensor | None = None) -> StepSums:
+        """Forward + backward of one micro-batch (gradients accumulate; `context`: see micro_batch_sums)."""
         model = self.config.model
         # DDP reads no_sync in the forward: both passes of an accumulating micro-batch run inside it
-        with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
-            sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
-                                    gamma=model.gamma, autocast_dtype=self.autocast_dtype,
-                                    selector_missing=model.selector_missing)
-            backward(sums, self.d, self.config.optim.grad_accum)
+        try:
+            with nullcontext() if sync or not self.d.enabled else self.model.no_sync():
+                sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
+                                        gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context,
+                                        selector_missing=model.selector_missing)
+                backward(sums, self.d, self.config.optim.grad_accum)
+        except torch.OutOfMemoryError as exc:
+            raise TrainError(oom_message(self.config, tuple(batch["input_ids"].shape),
+                                         sum(int(a.numel()) for a in anchors), self.target.vocab_size)) from exc
         return sums.detached()
 
     def _optimizer_step(self) -> dict:
-        """grad_accum micro-batches, clip, AdamW step, LR step; returns the step's metrics (all ranks)."""
-        cfg, accum = self.config, self.config.optim.grad_accum
+        """grad_accum micro-batches, then `_apply_step`; returns the step's metrics (all ranks)."""
+        accum = self.config.optim.grad_accum
         totals = None  # StepSums.pack() added up, on the device
         for k in range(accum):
             epoch, indices = self.order.next()
             batch, anchors = self._collate_shard(epoch, indices)
-            try:
-                sums = self._micro_step(batch, anchors, sync=k == accum - 1)
-            except torch.OutOfMemoryError as exc:
-                n = sum(int(a.numel()) for a in anchors)
-                raise TrainError(_oom_message(cfg, tuple(batch["input_ids"].shape), n,
-                                              self.target.vocab_size)) from exc
+            sums = self._micro_step(batch, anchors, sync=k == accum - 1)
             totals = sums.pack() if totals is None else totals + sums.pack()
             if self.heartbeat:
                 self.heartbeat.beat(self.step)
-        clip = cfg.optim.grad_clip
+        return self._apply_step(totals)
+
+    def _apply_step(self, totals: torch.Tensor) -> dict:
+        """Clip, AdamW step, LR step on the accumulated gradients; the step's metrics from `totals`."""
+        clip = self.config.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip) \
             if clip > 0 else torch.tensor(float("nan"))
         lr = self.scheduler.get_last_lr()[0]
@@ -245,7 +244,7 @@ class Trainer:
         self.step += 1
         totals = distributed.all_reduce_sum(self.d, totals)
         # the one read-back of the step: the summed statistics and the (already global) grad norm
-        return {"step": self.step, "lr": lr, **summarize(totals, cfg.model.block_size, grad_norm)}
+        return {"step": self.step, "lr": lr, **summarize(totals, self.config.model.block_size, grad_norm)}
 
     # --- the loop ----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -279,6 +278,11 @@ class Trainer:
             if runtime.save_every and self.step % runtime.save_every == 0 and self.step < self.total_steps:
                 result.checkpoint = self.save()
         bar.close()
+        self._finish(result)
+        return result
+
+    def _finish(self, result: TrainResult) -> None:
+        """The run's end: last checkpoint, the exported drafter (when not stopped), the monitor closed."""
         result.checkpoint = self.save()
         if self.heartbeat:
             self.heartbeat.finish(self.step)
@@ -286,12 +290,11 @@ class Trainer:
         result.exit_code = self.stop.exit_code if result.stopped_by else 0
         if result.stopped_by:
             log.warning("stopped by %s at step %d; continue with --resume", result.stopped_by, self.step)
-        elif d.is_main:
+        elif self.d.is_main:
             dtype = torch.bfloat16 if self.config.model.drafter_dtype == "bf16" else torch.float32
             ckpt.export_drafter(result.checkpoint, self.run_dir.drafter, dtype)
             log.info("drafter written to %s", self.run_dir.drafter)
         self.monitor.close(self.step, stopped=bool(result.stopped_by))
-        return result
 
 
 def _pad_id(target) -> int:
@@ -308,17 +311,13 @@ def drafter_config(config: TrainConfig, target):
     from dflash.io.drafter import read_drafter_config
     from dflash.io.fit import check_fits_target
     from dflash.model.dflash2 import check_kind, config_for_target
-    from dflash.model.drafter import FULL, SLIDING
 
     from dflash.io.engines import check_servable
 
     check_servable(target.layer_ids, target.num_layers, target.tokenizer, target.mask_token_id)
     opts = config.model
     if not opts.init_drafter:
-        n, window = opts.drafter_layers, opts.sliding_window
-        return config_for_target(opts.drafter_kind, target, num_hidden_layers=n, block_size=opts.block_size,
-                                 layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
-                                 sliding_window=window or None)
+        return config_for_target(opts.drafter_kind, target, opts.drafter_layers, opts.block_size, opts.sliding_window)
     where = f"--init-drafter {opts.init_drafter}"
     init = read_drafter_config(opts.init_drafter)
     check_kind(init, opts.drafter_kind, where)
@@ -353,14 +352,16 @@ def load_target(config: TrainConfig, device: torch.device, path=None):
 
 
 def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
-          on_step: Callable[[int, dict], None] | None = None, handle_signals: bool = True) -> TrainResult:
+          on_step: Callable[[int, dict], None] | None = None, handle_signals: bool = True,
+          card_gb_for_tests: float | None = None) -> TrainResult:
     """Train a drafter as `config` says; returns when done, stopped by a signal, or on an error.
 
     `target` and `items` (dicts with input_ids/loss_mask LongTensor[T]) skip loading them from
     --target / --data. `on_step(step, metrics)` runs after every optimizer step; when it returns True the
     run stops as if it got SIGTERM (checkpoint, then return). The run holds its directory for its whole
     length (dflash.train.rundir: a second run into it stops at once; an old run there is refused unless
-    --resume or --overwrite).
+    --resume or --overwrite). `card_gb_for_tests` stands in a card of that many GB for the memory check
+    (dflash.train.precheck.check_memory), which otherwise reads the visible GPU and skips a CPU.
     """
     d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
     run = RunDir(config.io.out)
@@ -371,7 +372,8 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
         stop = StopFlag().install() if handle_signals else StopFlag()
         try:
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
-            check_before_loading(config, data=items is None, target=target is None)  # seconds, not minutes
+            check_before_loading(config, data=items is None, target=target is None,  # seconds, not minutes
+                                 world_size=d.world_size, device=d.device, card_gb_for_tests=card_gb_for_tests)
             if target is None:
                 target = load_target(config, d.device)
             if items is None:

@@ -58,3 +58,18 @@ def test_drafter_step_benchmark_at_toy_size(tmp_path):
         assert result["numerics"][name]["all"]["cosine"] > 1 - 1e-9
     assert result["numerics"]["reference_vs_float64_small_shape"]["rel_l2"] < 1e-4
     assert "fused-head: " in run.stdout and "x the step of 'before'" in run.stdout
+
+
+def test_multi_drafter_benchmark_at_toy_size(tmp_path):
+    """bench_multi.py (the H200 run's script for several drafters on one target pass) on the CPU: a step time
+    for K = 1, 2, 3 drafters, the table of drafter-steps/s against K separate runs, and the forward's profile."""
+    out, profile = tmp_path / "multi.json", tmp_path / "profile.txt"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_multi.py"), "--preset", "small", "--steps", "1",
+                          "--warmup", "1", "--seq-len", "128", "--layers", "1", "--json", str(out),
+                          "--profile-out", str(profile)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["k"], r["drafter_layers"]) for r in result["rows"]] == [(1, 1), (2, 1), (3, 1)]
+    assert all(r["step_s"] > 0 for r in result["rows"])
+    assert result["profile"]["forward_ms"] > 0 and result["profile"]["top_kernels"]
+    assert "aten::mm" in profile.read_text() and "vs K separate runs" in run.stdout

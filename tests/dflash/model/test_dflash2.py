@@ -103,10 +103,11 @@ def test_a_dflash2_shape_that_misfits_the_target_is_a_config_error(tmp_path):
     from tests.support.dflash_tiny import save_tiny_target
 
     target = Target.load(save_tiny_target(tmp_path / "t", "qwen3"))
-    made = config_for_target("dflash2", target, block_size=4)
+    made = config_for_target("dflash2", target, 3, 4, sliding_window=2)
+    assert made.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert (made.conv_group_size, made.conv_kernel_size, made.selector_rank, made.selector_top_k) == (16, 2, 256, 16)
     with pytest.raises(ConfigError, match="conv_group_size 5 must divide hidden_size 32"):
-        config_for_target("dflash2", target, block_size=4, conv_group_size=5)
+        config_for_target("dflash2", target, 2, 4, conv_group_size=5)
     check_kind(made, "dflash2", "here")
     with pytest.raises(ConfigError, match="here is a dflash2 drafter and --drafter-kind is dflash"):
         check_kind(made, "dflash", "here")

@@ -1,0 +1,141 @@
+"""`dflash plan`: which --layout fits a card, each rank's itemised peak and the predicted tokens/s.
+
+    dflash plan --target 27b --card rtx-pro-6000 --gpus 1
+    dflash plan --target /models/Qwen3.5-27B --card-gb 32 --gpus 8 --batch-size 2 --seq-len 4096 --anchors 512
+    dflash plan --target 27b --table          the cards x (1, 2, 8) GPUs table of docs/memory.md
+    dflash plan ... --json                    the same as JSON, for tools
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from common.cli import DefaultsOnceHelpFormatter, add_version
+
+from dflash.errors import ConfigError
+from dflash.plan.memory import LAYOUTS, PRECISIONS, MicroBatch
+from dflash.plan.planner import best_fitting, card_from_args, plan
+from dflash.plan.shapes import PRESETS, drafter_shape, target_shape
+from dflash.plan.throughput import CARDS
+
+TABLE_GPUS = (1, 2, 8)
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash plan", formatter_class=DefaultsOnceHelpFormatter,
+                                description="Which --layout fits a card: each rank's predicted peak memory, item by "
+                                            "item, and the predicted tokens/s (docs/memory.md).")
+    p.add_argument("--target", required=True, help=f"a local model directory (its config.json is read, no weights) "
+                   f"or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--card", help=f"a named card: {', '.join(CARDS)}")
+    p.add_argument("--card-gb", type=float, help="the card's memory in GB of 10^9 bytes, as torch.cuda.mem_get_info "
+                   "reports it (a '96 GB' card: about 102); with --card: overrides its memory")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (processes) in the run")
+    p.add_argument("--layout", choices=LAYOUTS, help="only this layout (default: every one)")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch per rank")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--anchors", type=int, default=512, help="anchors (blocks) per sequence")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--sliding-window", type=int, default=0)
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
+    p.add_argument("--target-stages", type=int, default=0, help="--layout pipeline: stage ranks (0: half, rounded up)")
+    p.add_argument("--micro-batches", type=int, default=4, help="--layout pipeline: micro-batches per step in flight")
+    p.add_argument("--headroom-gb", type=float, default=0.0, help="memory to leave free on each card")
+    p.add_argument("--table", action="store_true", help=f"every named card x {', '.join(map(str, TABLE_GPUS))} GPUs: "
+                   "the best layout of each (Markdown)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_version(p)
+    return p
+
+
+def _check(args) -> None:
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: need at least 1")
+    for name in ("batch_size", "seq_len", "anchors", "drafter_layers"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.anchors > args.seq_len // 2:
+        raise ConfigError(f"--anchors {args.anchors} with --seq-len {args.seq_len}: anchors sit in the supervised "
+                          f"tokens, at most about half of a sequence; use --anchors {args.seq_len // 2} or fewer")
+    if args.headroom_gb < 0:
+        raise ConfigError(f"--headroom-gb {args.headroom_gb}: must be 0 or more")
+    if not args.table and not args.card and args.card_gb is None:
+        raise ConfigError("name the card: --card h200 | rtx-pro-6000 | rtx-5090, or --card-gb N (its memory in GB); "
+                          "or --table for every named card")
+
+
+def _rank_lines(o) -> list[str]:
+    lines = []
+    for r in o.ranks:
+        items = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in r.terms.items() if v >= 0.05)
+        host = f"; host memory {r.host_gb:.1f} GB" if r.host_gb else ""
+        lines.append(f"    {r.role}: {r.total_gb:.1f} GB at the {r.moment} ({items}){host}")
+    return lines
+
+
+def _text(target, drafter, mb, card, gpus, options, best) -> str:
+    out = [f"target {target.name}: {target.params / 1e9:.2f} B parameters, {target.layers} layers, hidden {target.hidden}, "
+           f"vocabulary {target.vocab}; drafter {drafter.layers} layers, {drafter.params / 1e9:.2f} B parameters, "
+           f"block {drafter.block_size}",
+           f"micro-batch per rank: {mb.describe()}; {gpus} x {card.name} ({card.memory_gb:g} GB usable)", ""]
+    for o in options:
+        if not o.ranks:
+            out.append(f"{o.layout:<10} -  {o.why_not}")
+            continue
+        verdict = "fits" if o.fits else "does not fit"
+        out.append(f"{o.label:<10} {verdict}: peak {o.peak_gb:.1f} GB per rank, predicted {o.tokens_per_s:,.0f} tokens/s")
+        out += _rank_lines(o)
+    out.append("")
+    out.append(f"best: --layout {best.label} ({best.tokens_per_s:,.0f} tokens/s, {best.peak_gb:.1f} GB per rank)"
+               if best else "nothing fits: more GPUs, a larger card, or a smaller micro-batch")
+    return "\n".join(out)
+
+
+def _table(target, drafter, mb, args) -> tuple[str, list[dict]]:
+    """Every named card x TABLE_GPUS: the best layout for the micro-batch, or for the largest one that fits."""
+    rows = []
+    lines = ["| card (GB usable) | GPUs | micro-batch per rank | layout | per-rank peak | predicted tokens/s |",
+             "|---|---|---|---|---|---|"]
+    for key, card in CARDS.items():
+        for gpus in TABLE_GPUS:
+            found = best_fitting(target, drafter, mb, card, gpus, precision=args.precision,
+                                 headroom_gb=args.headroom_gb, target_stages=args.target_stages,
+                                 micro_batches=args.micro_batches)
+            rows.append({"card": key, "gpus": gpus, "micro_batch": vars(found[0]) if found else None,
+                         "best": found[1].to_dict() if found else None})
+            name = f"{card.name} ({card.memory_gb:g})"
+            if found:
+                fit_mb, best = found
+                lines.append(f"| {name} | {gpus} | {fit_mb.describe()} | {best.label} | {best.peak_gb:.1f} GB | "
+                             f"{best.tokens_per_s:,.0f} |")
+            else:
+                lines.append(f"| {name} | {gpus} | none fits | - | - | - |")
+    return "\n".join(lines), rows
+
+
+def main(argv) -> int:
+    args = plan_parser().parse_args(argv)
+    _check(args)
+    target = target_shape(args.target)
+    drafter = drafter_shape(target, layers=args.drafter_layers, block_size=args.block_size,
+                            sliding_window=args.sliding_window)
+    mb = MicroBatch(args.batch_size, args.seq_len, args.anchors)
+    if args.table:
+        text, rows = _table(target, drafter, mb, args)
+        print(json.dumps({"micro_batch": vars(mb), "rows": rows}, indent=2) if args.json else text)
+        return 0
+    card = card_from_args(args.card, args.card_gb)
+    layouts = (args.layout,) if args.layout else LAYOUTS
+    options, best = plan(target, drafter, mb, card, args.gpus, layouts=layouts, precision=args.precision,
+                         headroom_gb=args.headroom_gb, target_stages=args.target_stages,
+                         micro_batches=args.micro_batches)
+    if args.json:
+        print(json.dumps({"target": target.name, "target_params": target.params, "drafter_params": drafter.params,
+                          "micro_batch": vars(mb), "card": vars(card), "gpus": args.gpus,
+                          "options": [o.to_dict() for o in options], "best": best.layout if best else None},
+                         indent=2))
+    else:
+        print(_text(target, drafter, mb, card, args.gpus, options, best))
+    return 0 if best else 1

@@ -1,0 +1,181 @@
+"""What the memory model needs to know about a target and a drafter, read without loading any weight.
+
+    TargetShape   the frozen target: parameters in total and per decoder layer, embedding and LM head rows,
+                  width, MLP width, tapped layers; from a model directory's config.json (`target_shape_from_dir`)
+                  or a named preset (`PRESETS`: "27b" is Qwen3.5-27B's text model, "demo" the built-in demo's)
+    DrafterShape  the drafter: its parameter count and the largest FSDP unit (one decoder layer), counted
+                  from the real module built on the meta device (no memory, no init cost)
+
+Parameter counts come from the modules themselves (transformers' model class built from the config on
+the meta device; dflash.model.drafter.Drafter likewise), never from a hand formula, so a new
+architecture is counted as exactly as the ones known today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import functools
+
+import torch
+
+from dflash.errors import ConfigError, TargetError
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    name: str
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layer_params: tuple[int, ...]   # parameters of each decoder layer
+    embed_params: int               # input embedding
+    head_params: int                # LM head (0 when tied to the embedding)
+    other_params: int               # final norm and anything else outside the layers
+    full_attention_layers: int
+
+    @property
+    def params(self) -> int:
+        return sum(self.layer_params) + self.embed_params + self.head_params + self.other_params
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    layers: int
+    hidden: int
+    tapped: int          # target layers concatenated into the context (k)
+    block_size: int
+    params: int
+    unit_params: int     # the largest FSDP unit: one decoder layer
+    config: object       # the DrafterConfig it was counted from (FLOPs read it)
+
+
+def _meta_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _shape_of_model(name: str, model) -> TargetShape:
+    """A TargetShape of a transformers causal LM (built on the meta device)."""
+    cfg = model.config.get_text_config()
+    decoder = model.get_decoder()
+    layers = [_meta_params(layer) for layer in decoder.layers]
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    embed_n, head_n = _meta_params(embed), (0 if tied or head is None else _meta_params(head))
+    total = _meta_params(model)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(layers)
+    heads = int(cfg.num_attention_heads)
+    return TargetShape(name=name, hidden=int(cfg.hidden_size), layers=len(layers), vocab=int(embed.weight.shape[0]),
+                       intermediate=int(cfg.intermediate_size), heads=heads,
+                       kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+                       head_dim=int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads),
+                       layer_params=tuple(layers), embed_params=embed_n, head_params=head_n,
+                       other_params=total - sum(layers) - embed_n - head_n,
+                       full_attention_layers=sum(1 for t in types if t == "full_attention"))
+
+
+def _build_on_meta(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def target_shape_from_dir(path) -> TargetShape:
+    """The shape of the model directory `path` from its config.json alone (TargetError naming the fix)."""
+    from dflash.model.target import read_target_config
+
+    path = Path(path)
+    if not path.is_dir():
+        raise TargetError(f"--target {path}: no such directory; pass the local model directory that holds "
+                          "config.json (or a preset: --target 27b or --target demo)")
+    config = read_target_config(path)  # TargetError for a missing or damaged config.json
+    try:
+        model = _build_on_meta(config)
+    except Exception as exc:  # an architecture transformers cannot build
+        raise TargetError(f"{path / 'config.json'}: transformers cannot build this model ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); the memory model counts the "
+                          "parameters of the real module, so the target must be one transformers knows") from None
+    return _shape_of_model(path.name, model)
+
+
+def _preset(shape: dict):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from dflash.train.shapes import mrope_sections
+
+    s, L = shape, shape["layers"]
+    config = Qwen3_5TextConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=L,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+        linear_num_key_heads=s["linear_k_heads"], linear_num_value_heads=s["linear_v_heads"],
+        linear_key_head_dim=s.get("linear_head_dim", 128), linear_value_head_dim=s.get("linear_head_dim", 128),
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": mrope_sections(s["head_dim"]), "mrope_interleaved": True},
+        tie_word_embeddings=False)
+    with torch.device("meta"):
+        return Qwen3_5ForCausalLM(config)
+
+
+@functools.lru_cache(maxsize=8)
+def preset_shape(name: str, layers: int | None = None) -> TargetShape:
+    """A named target shape: '27b' (Qwen3.5-27B's text model) or 'demo' (the built-in demo's target).
+    `layers` shortens a preset to that many decoder layers (same width: what a validation run loads)."""
+    from dflash.train.shapes import QWEN35_27B
+
+    if name == "27b":
+        shape = dict(QWEN35_27B, layers=layers or QWEN35_27B["layers"])
+        return _shape_of_model("27b" if layers is None else f"27b-{layers}l", _preset(shape))
+    if name == "demo":
+        return _shape_of_model("demo", _preset(DEMO))
+    raise ConfigError(f"--target {name}: not a model directory and not a preset; pass a local model directory "
+                      f"with config.json, or one of the presets: {', '.join(PRESETS)}")
+
+
+PRESETS = ("27b", "demo")
+# The built-in demo's target (dflash.demo.target.DemoSpec and its model: 768 tokens, 8 layers, width 64).
+DEMO = dict(hidden=64, layers=8, vocab=768, intermediate=192, heads=4, kv_heads=2, head_dim=32,
+            linear_k_heads=4, linear_v_heads=4, linear_head_dim=16)
+
+
+def target_shape(spec: str, layers: int | None = None) -> TargetShape:
+    """--target of `dflash plan`: a preset name, or a model directory."""
+    if spec in PRESETS:
+        return preset_shape(spec, layers)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise TargetError(f"--target {spec}: no such directory and not a preset; pass a local model directory "
+                          f"with config.json, or one of the presets: {', '.join(PRESETS)}")
+    return target_shape_from_dir(path)
+
+
+def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, tapped: int | None = None,
+                  sliding_window: int = 0) -> DrafterShape:
+    """The drafter dflash-train would build for `target` (DrafterConfig.from_target's shape: the target's
+    attention shape, `tapped` layers, by default min(5, layers - 3) as Target taps them), counted."""
+    from dflash.model.drafter import FULL, SLIDING, Drafter, DrafterConfig
+    from dflash.model.target import default_layer_ids
+
+    n = tapped if tapped is not None else min(5, max(1, target.layers - 3))
+    if layers < 1 or block_size < 2 or not 1 <= n <= target.layers:
+        raise ConfigError(f"drafter layers {layers}, block size {block_size}, tapped layers {n}: need layers >= 1, "
+                          f"block size >= 2 and 1 to {target.layers} tapped layers")
+    ids = default_layer_ids(target.layers, n) if n <= max(1, target.layers - 3) else list(range(n))
+    config = DrafterConfig(hidden_size=target.hidden, num_hidden_layers=layers, num_attention_heads=target.heads,
+                           num_key_value_heads=target.kv_heads, head_dim=target.head_dim,
+                           intermediate_size=target.intermediate, vocab_size=target.vocab, block_size=block_size,
+                           num_target_layers=target.layers, target_layer_ids=ids, mask_token_id=target.vocab - 1,
+                           layer_types=[SLIDING] * (layers - 1) + [FULL] if sliding_window else [],
+                           sliding_window=sliding_window or None)
+    with torch.device("meta"):
+        drafter = Drafter(config)
+    return DrafterShape(layers=layers, hidden=target.hidden, tapped=len(ids), block_size=block_size,
+                        params=_meta_params(drafter), unit_params=_meta_params(drafter.layers[0]), config=config)

@@ -1,0 +1,129 @@
+"""Predicted tokens/s of a layout: the H200's measured phase costs, scaled by FLOPs, the card's bf16 peak and
+each layout's transfers.
+
+Measured on one H200 at the 27B shape (2 x 4096 tokens, 512 anchors per sequence, 5-layer drafter, the
+current step: docs/performance.md): target forward 0.826 s, drafter forward 0.252 s, drafter backward
+0.300 s, AdamW 0.016 s per micro-batch. A phase's time elsewhere is
+
+    t = t_H200 x (FLOPs of this shape / FLOPs of the measured shape) x (H200 bf16 peak / card bf16 peak)
+
+(FLOPs from dflash.train.flops's formulas: the target's forward, the drafter's and the LM head's), and
+the AdamW step scales with the parameters it updates (per rank). On top, per layout (link bandwidths in
+CARDS; none of these overheads is measured yet, each is a transfer time at the link's rate):
+  replicate   W > 1: DDP's all-reduce of 4P bytes of gradients, 2 (W-1)/W x 4P / link, overlapped with
+              the backward: only what exceeds the backward counts
+  shard       the same bytes as all-gathers (forward and backward) and a reduce-scatter: 3 (W-1)/W x 4P / link,
+              overlapped with the drafter's forward + backward
+  offload     every step copies the weights up twice and the gradients down over the host link (3 x 4P /
+              host link) and runs AdamW on the CPU (P x 28 bytes read and written / host memory bandwidth)
+  pipeline    S stages each run 1/S of the target's forward; D drafter ranks run the drafter; each stage
+              sends [B,T,H] onward and its tapped states [B,T,k*H] to a drafter rank. A step of m micro-
+              batches (--micro-batches) takes (m + S - 1) x the slowest stage's time (GPipe's bubble),
+              and the drafter ranks take m / D micro-batches each; tokens/s = m x tokens / the slower side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dflash.plan.memory import MicroBatch, pipeline_stages
+from dflash.plan.shapes import DrafterShape, TargetShape
+
+H200_PHASES = {"target forward": 0.826, "drafter forward": 0.252, "drafter backward": 0.300, "optimizer": 0.016}
+REFERENCE = dict(batch=2, seq_len=4096, anchors=512)  # the micro-batch the phases were measured on
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    memory_gb: float         # what torch sees (10^9 bytes): the "141 GB" H200 reports 150.1
+    bf16_tflops: float       # dense bf16 tensor-core peak (data sheet)
+    link_gbps: float         # GPU-to-GPU, GB/s one way (NVLink, or PCIe where cards have no NVLink)
+    host_gbps: float = 25.0  # host <-> GPU copies of pinned memory, GB/s
+    host_mem_gbps: float = 40.0  # host memory bandwidth available to the CPU AdamW step, GB/s
+
+
+# Memory as torch.cuda.mem_get_info reports it (10^9 bytes; the names say GiB): H200 143,771 MiB (150.1 GB
+# total on the H200 measured here), RTX PRO 6000 Blackwell 96 GiB (102 GB, the cap the issue measured
+# with), RTX 5090 32 GiB less the driver's share (32,607 MiB: 34.2 GB).
+CARDS = {
+    "h200": Card("H200 141 GB", 150.1, 989.0, 450.0, host_gbps=50.0),
+    "rtx-pro-6000": Card("RTX PRO 6000 96 GB", 102.0, 504.0, 50.0),
+    "rtx-5090": Card("RTX 5090 32 GB", 34.2, 209.0, 50.0),
+}
+H200 = CARDS["h200"]
+
+
+def _target_flops(target: TargetShape, mb: MicroBatch) -> float:
+    """dflash.train.flops.target_forward_flops on full sequences of mb.seq_len."""
+    pairs = mb.batch * mb.seq_len * (mb.seq_len + 1) / 2
+    return 2 * sum(target.layer_params) * mb.batch * mb.seq_len + 4 * target.head_dim * target.heads * pairs \
+        * target.full_attention_layers
+
+
+def _drafter_flops(target: TargetShape, drafter: DrafterShape, mb: MicroBatch) -> float:
+    """dflash.train.flops.drafter_flops + head_flops, anchors spread evenly over the second half of each
+    sequence (the supervised half of dflash.train.synthetic's items)."""
+    from dflash.train.flops import drafter_flops, head_flops
+
+    bs, n = drafter.block_size, mb.anchors
+    mean_anchor = 0.75 * mb.seq_len
+    pairs = mb.batch * bs * (n * mean_anchor + bs * n)
+    rows = mb.batch * n * bs
+    return drafter_flops(drafter.config, mb.batch * mb.seq_len, rows, pairs) + head_flops(drafter.config,
+                                                                                       rows * (bs - 1) // bs)
+
+
+def phase_times(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card: Card, shards: int = 1) -> dict:
+    """Seconds per micro-batch of each phase on one `card`, for this shape (AdamW over P / shards)."""
+    from dflash.plan.shapes import drafter_shape, preset_shape
+
+    ref_target = preset_shape("27b")
+    ref_drafter = drafter_shape(ref_target)
+    ref_mb = MicroBatch(**REFERENCE)
+    speed = H200.bf16_tflops / card.bf16_tflops
+    t_scale = _target_flops(target, mb) / _target_flops(ref_target, ref_mb)
+    d_scale = _drafter_flops(target, drafter, mb) / _drafter_flops(ref_target, ref_drafter, ref_mb)
+    # AdamW is memory-bound: bytes over the card's bandwidth; scaled here by the parameters alone
+    o_scale = drafter.params / shards / ref_drafter.params
+    return {"target forward": H200_PHASES["target forward"] * t_scale * speed,
+            "drafter forward": H200_PHASES["drafter forward"] * d_scale * speed,
+            "drafter backward": H200_PHASES["drafter backward"] * d_scale * speed,
+            "optimizer": H200_PHASES["optimizer"] * o_scale * speed}
+
+
+def tokens_per_second(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: str, world: int,
+                      card: Card, target_stages: int = 0, micro_batches: int = 4) -> dict:
+    """{"tokens_per_s": all ranks together, "step_s": seconds per micro-batch per rank, "phases": {...},
+    "overhead_s": the layout's transfers that are not hidden}."""
+    tokens = mb.batch * mb.seq_len
+    P = drafter.params
+    if layout == "pipeline":
+        S = pipeline_stages(world, target_stages)
+        D = world - S
+        t = phase_times(target, drafter, mb, card, shards=D)
+        send = tokens * target.hidden * 2 * (1 + drafter.tapped) / (card.link_gbps * 1e9)
+        stage = t["target forward"] / S + send
+        gather = 3 * (D - 1) / D * 4 * P / (card.link_gbps * 1e9) if D > 1 else 0.0
+        drafter_side = t["drafter forward"] + t["drafter backward"] + max(0.0, gather - t["drafter backward"])
+        m = micro_batches
+        step = max((m + S - 1) * stage, math.ceil(m / D) * drafter_side) + t["optimizer"]
+        return {"tokens_per_s": m * tokens / step, "step_s": step / m, "phases": t,
+                "overhead_s": (S - 1) * stage / m + send}
+    shards = world if layout in ("shard", "offload") else 1
+    t = phase_times(target, drafter, mb, card, shards=shards)
+    compute = sum(t.values())
+    link = card.link_gbps * 1e9
+    if layout == "replicate":
+        comm = 2 * (world - 1) / world * 4 * P / link if world > 1 else 0.0
+        overhead = max(0.0, comm - t["drafter backward"])
+    elif layout == "shard":
+        comm = 3 * (world - 1) / world * 4 * P / link if world > 1 else 0.0
+        overhead = max(0.0, comm - t["drafter forward"] - t["drafter backward"])
+    else:  # offload: the host link and the CPU's AdamW, per rank's shard
+        copies = 3 * 4 * P / world / (card.host_gbps * 1e9)
+        cpu_adam = 28 * P / world / (card.host_mem_gbps * 1e9)
+        overhead = max(0.0, copies - t["drafter forward"] - t["drafter backward"]) + cpu_adam - t["optimizer"]
+    step = compute + overhead
+    return {"tokens_per_s": world * tokens / step, "step_s": step, "phases": t, "overhead_s": overhead}

@@ -1,0 +1,343 @@
+"""Several drafters from one pass over the data: one target forward per micro-batch, its tapped states fed
+to every drafter.
+
+    dflash-train --config sweep.toml          (a `drafters` list: dflash.config.drafters)
+
+Each drafter is a full Trainer (dflash.train.trainer) of its own config, run directory
+(<out>/drafters/NAME: config.json, metrics.jsonl, checkpoints/, drafter/, report/), optimizer, LR schedule,
+metrics and, under torchrun, its own DDP wrapper. This module only drives them together:
+
+    per micro-batch   the data order's next indices (one DataOrder, shared), this rank's items collated once,
+                      target.context once (tapping the union of the drafters' layers: dflash.train.taps);
+                      then for each drafter: its columns of it, its anchors (its own --max-anchors, from the
+                      same per-sequence generators a run of it alone uses), forward, backward
+    per step          each drafter's clip, AdamW and LR step, metrics record, checkpoint (same steps)
+    at the end        each drafter's last checkpoint and exported drafter
+
+Every drafter keeps its own global RNG stream (`_own_rng`: the state right after its init, as a run of it
+alone would have, swapped in around everything it runs), so no drafter perturbs another, and each ends
+bit-identical to a run of it alone with the same seed. <out> holds the run's config.json and train.log;
+<out>/drafters/drafters.json lists the drafters for --resume, which resumes them all from their own
+latest checkpoints (they must all be at the same step).
+
+Memory: `drafter_state_bytes` is what one drafter's training state takes (fp32 weights, gradients and
+AdamW's two moments); `check_drafters_fit` refuses a run whose drafters and target would not fit on
+the GPU before any weights load.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Callable
+
+import torch
+
+from dflash import distributed
+from dflash.config import TrainConfig
+from dflash.config.drafters import DrafterSpec, drafter_configs, write_plan
+from dflash.data.batches import collate, load_items
+from dflash.errors import CheckpointError, ConfigError, DflashError
+from dflash.train import checkpoint as ckpt
+from dflash.train.evaluation import eval_split
+from dflash.train.heartbeat import Heartbeat
+from dflash.train.monitor import setup_logging
+from dflash.train.precheck import check_before_loading, check_resume_checkpoint
+from dflash.train.rundir import RunDir
+from dflash.train.signals import StopFlag
+from dflash.train.taps import TargetView, tapped_layers, union
+from dflash.train.trainer import Trainer, TrainResult, attention_impl, load_target
+
+log = logging.getLogger("dflash.train")
+
+
+@dataclass
+class MultiResult:
+    results: dict[str, TrainResult] = field(default_factory=dict)  # per drafter name, in the config's order
+    step: int = 0
+    stopped_by: str | None = None
+    exit_code: int = 0
+
+
+# --- memory ----------------------------------------------------------------------------------------
+def drafter_state_bytes(n_params: int) -> int:
+    """Bytes one drafter's training state takes: fp32 master weights, fp32 gradients, AdamW's two fp32
+    moments (16 bytes per parameter). Activations are not counted (they follow the micro-batch)."""
+    return 16 * n_params
+
+
+def drafter_param_count(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                        layers: int, tapped: int) -> int:
+    """Parameters of a drafter (dflash.model.drafter) of this shape: fc over the tapped states, its norms,
+    and per layer q/k/v/o with q/k norms, two RMSNorms and a SwiGLU MLP."""
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads) + 2 * head_dim
+    per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+    return tapped * hidden * hidden + 2 * hidden + layers * per_layer
+
+
+# Share of the GPU kept for activations, the tapped states and the allocator's slack. Measured on one H200 at
+# the 27B shape (2 x 4096 tokens, 512 anchors per sequence): one 5-layer drafter peaked 19 GB above its state
+# and the target; three such drafters (142 GB of states and target on a 150 GB card) ran out of memory.
+ACTIVATION_RESERVE = 0.10
+
+
+def check_drafters_fit(drafter_params: dict[str, int], target_bytes: int, device_bytes: int) -> None:
+    """Refuse drafters whose training states would not fit on the device beside the target's weights,
+    ACTIVATION_RESERVE of the device kept free."""
+    states = {name: drafter_state_bytes(n) for name, n in drafter_params.items()}
+    need = target_bytes + sum(states.values())
+    if need <= device_bytes * (1 - ACTIVATION_RESERVE):
+        return
+    gb = 1e9
+    each = ", ".join(f"{name} {b / gb:.1f}" for name, b in states.items())
+    raise ConfigError(
+        f"{len(states)} drafters do not fit beside the target: their states (fp32 weights, gradients and AdamW "
+        f"moments: {each} GB) and the target's weights ({target_bytes / gb:.1f} GB) need {need / gb:.1f} GB "
+        f"before any activation, over {1 - ACTIVATION_RESERVE:.0%} of the GPU's {device_bytes / gb:.1f} GB (the rest is "
+        "kept for activations). Train fewer drafters per run, or smaller ones (--drafter-layers).")
+
+
+def _target_bytes_and_shape(config: TrainConfig, target) -> tuple[int, dict]:
+    """(the target's weight bytes as the run holds them, its attention shape), without loading it when
+    `target` is None (from its config.json and the sizes of its weight files)."""
+    if target is not None:
+        c = target.config
+        n = sum(p.numel() * p.element_size() for p in target.model.parameters()) if hasattr(target, "model") else 0
+        return n, dict(hidden=target.hidden_size, layers=target.num_layers, config=c)
+    from dflash.model.target import read_target_config, resolve_target
+
+    path = resolve_target(config.io.target)
+    text = read_target_config(path).get_text_config()
+    files = sum(f.stat().st_size for f in path.glob("*.safetensors")) or sum(f.stat().st_size for f in path.glob("*.bin"))
+    return files, dict(hidden=int(text.hidden_size), layers=int(text.num_hidden_layers), config=text)
+
+
+def check_memory(configs: dict[str, TrainConfig], target, device: torch.device, tapped: dict[str, int]) -> None:
+    """`check_drafters_fit` for these drafters (`tapped`: each one's count of tapped target layers) on `device`
+    (a GPU; a CPU run is left to the host's memory)."""
+    if device.type != "cuda":
+        return
+    first = next(iter(configs.values()))
+    target_bytes, shape = _target_bytes_and_shape(first, target)
+    c, hidden = shape["config"], shape["hidden"]
+    heads = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
+    params = {name: drafter_param_count(hidden, heads, kv, head_dim, int(c.intermediate_size),
+                                        cfg.model.drafter_layers, tapped[name]) for name, cfg in configs.items()}
+    check_drafters_fit(params, target_bytes, torch.cuda.get_device_properties(device).total_memory)
+
+
+# --- the run ---------------------------------------------------------------------------------------
+class MultiTrainer:
+    """K Trainers driven from one target pass; `run()` trains them all. Build it with `train_multi()`."""
+
+    def __init__(self, configs: dict[str, TrainConfig], target, items: list[dict], d: distributed.Dist,
+                 stop: StopFlag, on_step: Callable[[int, dict], bool] | None = None,
+                 eval_items: list[dict] | None = None, layers: dict[str, list[int]] | None = None):
+        """`layers`: each drafter's tapped target layers when they are not all the target's (dflash.train.taps)."""
+        self.target, self.d, self.stop, self.on_step = target, d, stop, on_step
+        self.lanes: dict[str, Trainer] = {}
+        self.rng: dict[str, dict] = {}
+        for name, config in configs.items():
+            sees = TargetView(target, layers[name]) if layers and layers[name] != list(target.layer_ids) else target
+            lane = Trainer(config, sees, items, d, stop, None, eval_items)  # seeds the RNG, then inits
+            lane.heartbeat = None  # the run beats once, below
+            self.rng[name] = ckpt.capture_rng()  # this drafter's stream, as a run of it alone has it now
+            self.lanes[name] = lane
+        self.first = next(iter(self.lanes.values()))
+        self.config = self.first.config
+        self.heartbeat = Heartbeat(every=self.config.runtime.heartbeat_every) if d.is_main else None
+        self._share_order()
+
+    def _share_order(self) -> None:
+        """One DataOrder for all drafters (their checkpoints store its position); refuse drafters that are
+        not at the same place in the data."""
+        states = {name: (lane.step, lane.order.state()) for name, lane in self.lanes.items()}
+        if len(set(map(repr, states.values()))) > 1:
+            where = ", ".join(f"{name} at step {s}" for name, (s, _o) in states.items())
+            raise CheckpointError(f"--resume: the drafters' latest checkpoints are not at the same step ({where}); "
+                                  "a run stopped between them. Point each drafter's checkpoints/latest at their "
+                                  "common step, then --resume again.")
+        for lane in self.lanes.values():
+            lane.order = self.first.order
+
+    @contextmanager
+    def _own_rng(self, name: str):
+        """Run with drafter `name`'s global RNG stream; keep where it got to."""
+        ckpt.restore_rng(self.rng[name])
+        try:
+            yield
+        finally:
+            self.rng[name] = ckpt.capture_rng()
+
+    def restore(self) -> None:
+        for name, lane in self.lanes.items():
+            lane.restore()
+            self.rng[name] = ckpt.capture_rng()
+        self._share_order()
+
+    @property
+    def step(self) -> int:
+        return self.first.step
+
+    @property
+    def total_steps(self) -> int:
+        return self.first.total_steps
+
+    def _optimizer_step(self) -> dict[str, dict]:
+        """grad_accum micro-batches, each with one target forward for all drafters; then each drafter's step."""
+        accum = self.config.optim.grad_accum
+        totals: dict[str, torch.Tensor] = {}
+        for k in range(accum):
+            epoch, indices = self.first.order.next()
+            mine, items = self.first._shard(indices)
+            batch = {key: v.to(self.d.device) for key, v in collate(items, self.first.pad_id).items()}
+            context = self.target.context(batch["input_ids"], batch["attention_mask"])
+            for name, lane in self.lanes.items():
+                with self._own_rng(name):
+                    anchors = lane._anchors(epoch, mine, items)
+                    mine_context = lane.target.select(context) if isinstance(lane.target, TargetView) else context
+                    sums = lane._micro_step(batch, anchors, sync=k == accum - 1, context=mine_context)
+                totals[name] = sums.pack() if name not in totals else totals[name] + sums.pack()
+            if self.heartbeat:
+                self.heartbeat.beat(self.step)
+        records = {}
+        for name, lane in self.lanes.items():
+            with self._own_rng(name):
+                records[name] = lane._apply_step(totals[name])
+        return records
+
+    def _save(self) -> None:
+        for name, lane in self.lanes.items():
+            with self._own_rng(name):
+                lane.save()
+
+    def run(self) -> MultiResult:
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        runtime, d = self.config.runtime, self.d
+        result = MultiResult(results={name: TrainResult(drafter=lane.drafter, step=lane.step)
+                                      for name, lane in self.lanes.items()})
+        with logging_redirect_tqdm(loggers=[logging.getLogger("dflash")]):
+            bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train x{len(self.lanes)}", unit="step",
+                       disable=not (runtime.progress and d.is_main), dynamic_ncols=True)
+            for lane in self.lanes.values():
+                lane.drafter.train()
+            if self.heartbeat:
+                self.heartbeat.beat(self.step, force=True)
+            while self.step < self.total_steps:
+                records = self._optimizer_step()
+                for name, m in records.items():
+                    with self._own_rng(name):  # a due evaluation runs with this drafter's stream too
+                        self.lanes[name].monitor.step(m)
+                    result.results[name].history.append(m)
+                bar.update(1)
+                bar.set_postfix({name: f"{m['loss']:.3f}" for name, m in records.items()})
+                if self.on_step and self.on_step(self.step, records):
+                    self.stop.request("request")
+                if distributed.any_rank(d, bool(self.stop)):
+                    result.stopped_by = self.stop.reason or "another rank"
+                    break
+                if runtime.save_every and self.step % runtime.save_every == 0 and self.step < self.total_steps:
+                    self._save()
+            bar.close()
+            for name, lane in self.lanes.items():
+                lane_result = result.results[name]
+                lane_result.stopped_by = result.stopped_by
+                with self._own_rng(name):
+                    lane._finish(lane_result)
+        if self.heartbeat:
+            self.heartbeat.finish(self.step)
+        if d.is_main:
+            self._compare()
+        result.step = self.step
+        result.exit_code = self.stop.exit_code if result.stopped_by else 0
+        return result
+
+    def _compare(self) -> None:
+        from dflash.train.run_compare import write_comparison
+
+        root = Path(self.config.io.out).parent.parent  # <out>/drafters/NAME -> <out>
+        try:
+            log.info("drafters compared in %s", write_comparison(root))
+        except Exception as exc:  # the drafters stand without the comparison
+            log.warning("could not compare the drafters: %s (run `dflash report %s` to retry)", exc, root)
+
+
+def _drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target) -> dict[str, list[int]]:
+    """Each drafter's tapped target layers, checked against the target's config.json (or the `target` given)
+    before any weight loads."""
+    if target is not None:
+        return tapped_layers(configs, target.num_layers, loaded=target.layer_ids)
+    from dflash.io.fit import target_shape
+    from dflash.train.precheck import check_target_cheaply
+
+    for name, cfg in configs.items():  # a drafter's own layers: in range, and ones the serving engines tap
+        if cfg.model.target_layer_ids != config.model.target_layer_ids:
+            try:
+                check_target_cheaply(cfg)
+            except DflashError as exc:
+                raise type(exc)(f"drafter '{name}': {exc}") from None
+    if config.model.init_drafter:  # its config.json fixes the layers of every drafter
+        from dflash.io.drafter import read_drafter_config
+
+        return {name: list(read_drafter_config(config.model.init_drafter).target_layer_ids) for name in configs}
+    return tapped_layers(configs, target_shape(config.io.target).num_layers)
+
+
+def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, items: list[dict] | None = None,
+                on_step: Callable[[int, dict], bool] | None = None, handle_signals: bool = True) -> MultiResult:
+    """Train the drafters `specs` names on one pass of `config`'s target and data (as train() does one).
+    `on_step(step, {name: metrics})` may return True to stop the run as SIGTERM would."""
+    configs = drafter_configs(config, specs)  # every drafter's options checked before anything else
+    d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
+    run = RunDir(config.io.out)
+    with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
+        setup_logging(run, d.is_main)
+        if removed:
+            log.info("--overwrite: deleted the previous run's %s in %s", ", ".join(removed), run.root)
+        stop = StopFlag().install() if handle_signals else StopFlag()
+        try:
+            for cfg in configs.values():
+                attention_impl(cfg, d.device)
+            # the run's own checkpoints are its drafters': each is checked below
+            check_before_loading(config.replace(resume=False), data=items is None, target=target is None)
+            for cfg in configs.values():
+                check_resume_checkpoint(cfg)
+            layers = _drafter_layers(config, configs, target)
+            check_memory(configs, target, d.device, {name: len(ids) for name, ids in layers.items()})
+            if target is None:  # tapping every drafter's layers
+                target = load_target(config.replace(target_layer_ids=union(layers)) if not config.model.init_drafter
+                                     else config, d.device)
+            if items is None:
+                items = load_items(config, target)
+            items, eval_items = eval_split(config, target, items)
+            if d.is_main:
+                config.to_json(run.config)
+                write_plan(run.root, specs)
+                for cfg in configs.values():
+                    Path(cfg.io.out).mkdir(parents=True, exist_ok=True)
+                    cfg.to_json(RunDir(cfg.io.out).config)
+            trainer = MultiTrainer(configs, target, items, d, stop, on_step, eval_items, layers)
+            if config.io.resume:
+                trainer.restore()
+            log.info("training %d drafters (%s) for %d steps on %d sequences, one target pass, world size %d, "
+                     "device %s", len(configs), ", ".join(configs), trainer.total_steps, len(items), d.world_size,
+                     d.device)
+            return trainer.run()
+        except DflashError as exc:
+            log.error("stopped: %s", exc)
+            raise
+        except OSError as exc:  # metrics.jsonl, trackers, the reports: writes of the run that no error wraps
+            if exc.errno not in ckpt.DISK_ERRNOS:
+                raise
+            first = RunDir(next(iter(configs.values())).io.out)  # the drafters checkpoint at the same steps
+            error = ckpt.disk_error(exc, config.io.out, first.checkpoints)
+            log.error("stopped: %s", error)
+            raise error from None
+        finally:
+            stop.uninstall()
