@@ -159,6 +159,15 @@ class DFlash2Drafter(Drafter):
                                                     self.config.vocab_size)
 
 
+def dflash2_extra_params(hidden: int, vocab: int, layers: int, taps: int = 2, group: int = 16,
+                         rank: int = 256) -> int:
+    """Parameters a DFlash2 drafter (DFlash2Config's defaults) has beyond a DFlash drafter of the same shape:
+    per layer two BlockConvs (base_kernel [2,taps,H], kernel_projection [2*taps*H/group, H]), and the selector
+    (two [V, rank] codebooks, hidden_projection [rank, H])."""
+    conv = 2 * taps * hidden + 2 * taps * (hidden // group) * hidden
+    return layers * 2 * conv + 2 * vocab * rank + rank * hidden
+
+
 def config_class(kind: str) -> type[DrafterConfig]:
     return {"dflash": DrafterConfig, "dflash2": DFlash2Config}[kind]
 
