@@ -42,7 +42,7 @@ from dflash.decode.evaluate import untrained_drafter
 from dflash.decode.proposers import DrafterProposer, Sampler
 from dflash.decode.spec_decode import accept_greedy
 from dflash.decode.target_state import TargetCache
-from dflash.model.drafter import DrafterConfig
+from dflash.model.dflash2 import config_class
 from dflash.model.target import Target
 from dflash.model.shapes import QWEN35_27B, random_target
 from dflash.train.timing import timed
@@ -61,11 +61,11 @@ PRESETS = {
 }
 
 
-def build(preset: str, device: torch.device, dtype: torch.dtype):
+def build(preset: str, device: torch.device, dtype: torch.dtype, kind: str = "dflash"):
     shape, drafter_shape, layer_ids = PRESETS[preset]
     built = random_target(shape, device, dtype)
     target = Target(built.model, built.tokenizer, layer_ids=layer_ids, mask_token=2)
-    config = DrafterConfig.from_target(target, **drafter_shape)
+    config = config_class(kind).from_target(target, **drafter_shape)  # dflash2: 16-channel groups, r 256, K 16
     with torch.device(device):
         drafter = untrained_drafter(target, config)
     return target, DrafterProposer(drafter)
@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10, help="timed calls per step")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per step first")
     p.add_argument("--taus", default="3,5,7", help="comma list of tau for the speed-up bound")
+    p.add_argument("--drafter-kind", default="dflash", choices=("dflash", "dflash2"),
+                   help="dflash2: the draft step adds the convolutions and the selector's greedy walk")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if gpu else torch.float32
     where = torch.cuda.get_device_name(device) if gpu else f"CPU ({torch.get_num_threads()} threads)"
     print(f"torch {torch.__version__}, {where}, {dtype}", flush=True)
-    target, proposer = build(args.preset, device, dtype)
+    target, proposer = build(args.preset, device, dtype, args.drafter_kind)
     c = proposer.drafter.config
     print(f"target {args.preset}: {sum(p.numel() for p in target.model.parameters()) / 1e6:,.1f}M params, "
           f"{target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}, tapped "

@@ -103,6 +103,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="local HF model dir of the target")
     p.add_argument("--drafter", required=True, help="drafter dir in the reference DFlash layout (config.json + "
                    "model.safetensors): <out>/drafter of dflash-train, or a published drafter")
+    p.add_argument("--compare", action="append", default=[], metavar="DIR",
+                   help="another drafter for the same target (e.g. a DFlash2 one beside a DFlash one), evaluated "
+                        "on the same prompts and printed beside --drafter; repeatable")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="chat JSONL: the user turns before each conversation's first answer are the prompts")
     src.add_argument("--prompts", help="text file, one user prompt per line (wrapped in the chat template)")

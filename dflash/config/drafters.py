@@ -39,7 +39,7 @@ from dflash.errors import ConfigError
 # Options each drafter may set for itself.
 PER_DRAFTER = frozenset({
     "block_size", "drafter_layers", "sliding_window", "target_layer_ids", "drafter_dtype", "max_anchors", "gamma",
-    "lr", "weight_decay", "warmup_ratio", "grad_clip",
+    "lr", "weight_decay", "warmup_ratio", "grad_clip", "drafter_kind", "selector_missing",
 })
 # Why the options most likely to be tried cannot differ (the rest: "it is a setting of the whole run").
 SHARED_BECAUSE = {

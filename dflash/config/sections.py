@@ -88,6 +88,11 @@ class ModelConfig(Section):
     TITLE: ClassVar[str] = "drafter and blocks"
 
     block_size: int = opt(16, "tokens per block: the anchor + block_size-1 masked positions to predict")
+    drafter_kind: str = opt("dflash", "drafter generation: 'dflash' or 'dflash2' (DFlash plus block-local "
+                            "convolutions and a candidate selector, docs/dflash2.md)", choices=("dflash", "dflash2"))
+    selector_missing: str = opt("drop", "dflash2: a label outside the selector's top-K candidates is left out of "
+                                "the selector loss ('drop', NeMo Automodel's objective) or replaces the K-th "
+                                "candidate ('inject', vLLM speculators')", choices=("drop", "inject"))
     drafter_layers: int = opt(5, "decoder layers of the drafter")
     sliding_window: int = opt(0, "tokens a sliding_attention query sees, itself included (0: none). W > 0 makes "
                               "every drafter layer but the last sliding_attention, as in the published "

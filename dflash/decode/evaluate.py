@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from dflash.errors import DataError
 from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.model.dflash2 import build_drafter
 from dflash.decode.proposers import (  # noqa: F401  (re-exported: the names callers import from here)
     Draft, DrafterProposer, Proposer, RepeatLastProposer, Sampler, as_proposer,
 )
@@ -109,13 +110,21 @@ def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *,
         "tokens_per_s": tokens / spec_s if spec_s else 0.0,
         "lossless": not mismatched if check_lossless and temperature <= 0 else None,
         "n_prompts": len(prompts), "n_tokens": tokens, "verify_steps": steps,
-        "accept_histogram": histogram, "mismatched_prompts": mismatched,
+        "accept_histogram": histogram, "accept_per_pos": acceptance_per_position(histogram),
+        "mismatched_prompts": mismatched,
         "cache": mode, "temperature": temperature,
     }
     if check_lossless and plain_s:
         report["greedy_tokens_per_s"] = plain_tokens / plain_s
         report["speedup"] = report["tokens_per_s"] / report["greedy_tokens_per_s"]
     return report
+
+
+def acceptance_per_position(histogram: list[int]) -> list[float]:
+    """[bs-1] from the count of verify steps per accepted length 1..bs: at draft position k, the share of
+    the steps that reached k (accepted k-1 drafts) that accepted it too (0.0 where none reached k)."""
+    reached = [sum(histogram[k:]) for k in range(len(histogram))]
+    return [round(reached[k + 1] / reached[k], 4) if reached[k] else 0.0 for k in range(len(histogram) - 1)]
 
 
 def load_for_eval(target_dir, drafter_dir, device="cpu", target_dtype=torch.float32):
@@ -146,7 +155,7 @@ def untrained_drafter(target, config: DrafterConfig | None = None, seed: int = 0
     config = config or DrafterConfig.from_target(target, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = Drafter(config)
+        drafter = build_drafter(config)  # a DFlash2Config gives a DFlash2 drafter
     return drafter.to(device=target.device, dtype=target.dtype)
 
 

@@ -9,6 +9,10 @@ position go through fc + hidden_norm once, and every drafter layer keeps their k
 k_norm and RoPE at their fixed positions). A step then runs the drafter over the bs block tokens only,
 attending to the cached context keys, instead of re-projecting the whole context every block;
 `Drafter.forward` (the training path) is the reference it is tested against.
+
+A DFlash2 drafter (dflash.model.dflash2) runs its block-local convolutions around each sublayer the
+same way, and proposes the selector's walk over its top-K candidates: greedy at temperature 0, sampled
+row by row at temperature > 0 with q the realized rows' distributions (what the engines verify against).
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ class DrafterContextCache:
         groups = c.num_attention_heads // c.num_key_value_heads
         for i, (layer, kind) in enumerate(zip(d.layers, c.layer_types)):
             attn, h = layer.self_attn, layer.input_layernorm(x)
+            aconv, mconv = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)  # DFlash2
+            if aconv is not None:
+                h, delta = aconv.prepare(h)
             q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), c.num_attention_heads)), *rope)
             k = apply_rope(attn.k_norm(attn._heads(attn.k_proj(h), c.num_key_value_heads)), *rope)
             v = attn._heads(attn.v_proj(h), c.num_key_value_heads)
@@ -109,8 +116,14 @@ class DrafterContextCache:
                 k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[kind])            # [1,h,bs,hd]
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, bs, c.num_attention_heads * c.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            out = attn.o_proj(out.transpose(1, 2).reshape(1, bs, c.num_attention_heads * c.head_dim))
+            x = x + (out if aconv is None else aconv.finish(out, delta))
+            h = layer.post_attention_layernorm(x)
+            if mconv is None:
+                x = x + layer.mlp(h)
+            else:
+                h, delta = mconv.prepare(h)
+                x = x + mconv.finish(layer.mlp(h), delta)
         return d.norm(x)
 
 
@@ -142,6 +155,13 @@ class DrafterProposer:
         else:
             self._context = new_context if self._context is None else torch.cat([self._context, new_context], 1)
             hidden = self.drafter(self._context, target.embed(block), torch.tensor([[anchor]], device=target.device))
+        if getattr(self.drafter, "kind", "dflash") == "dflash2":
+            anchor_id = torch.tensor([token_ids[-1]], device=target.device)
+            if sampler.temperature > 0:
+                tokens, q = self.drafter.propose_sampled(hidden[:, 1:], anchor_id, target.lm_head, sampler.temperature,
+                                                         sampler.generator, target.dtype)
+                return Draft(tokens.tolist(), q)
+            return Draft(self.drafter.propose(hidden[:, 1:], anchor_id, target.lm_head, target.dtype)[0].tolist())
         logits = target.lm_head(hidden[0, 1:].to(target.dtype))                               # [bs-1,V]
         if sampler.temperature <= 0:
             return Draft(logits.argmax(-1).tolist())

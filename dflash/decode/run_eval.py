@@ -1,7 +1,9 @@
 """`dflash-eval`'s work: load the target and the drafter, read the prompts, evaluate the drafter beside
 the baselines, print the table (or JSON), return the exit code. dflash.cli only parses the flags.
 
-Exit codes: 0; 1 when the drafter's output was not lossless (temperature 0 only: sampled outputs are
+`--compare DIR` evaluates more drafters of the same target on the same prompts (DFlash beside DFlash2).
+
+Exit codes: 0; 1 when an evaluated drafter's output was not lossless (temperature 0 only: sampled outputs are
 checked in distribution by the tests, not per run); a DflashError's own code otherwise.
 """
 
@@ -31,7 +33,7 @@ def read_prompts(tokenizer, data: str | None, prompts_file: str | None, limit: i
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """Evaluate args.drafter on args.target (flags: dflash.cli.eval_parser); print; return the exit code."""
+    """Evaluate args.drafter (and each args.compare) on args.target (flags: dflash.cli.eval_parser); print; return the exit code."""
     from dflash import distributed
     from dflash.decode.evaluate import evaluate, evaluate_baseline, format_results, load_for_eval
 
@@ -43,9 +45,17 @@ def run_eval(args: argparse.Namespace) -> int:
     prompts = read_prompts(target.tokenizer, args.data, args.prompts, args.limit)
     options = dict(use_cache=args.cache, temperature=args.temperature, seed=args.seed)
     results = {"drafter": evaluate(target, drafter, prompts, args.max_new_tokens, **options)}
+    for other in args.compare:  # checked against the same target before any decoding (load_for_eval)
+        _, compared = load_for_eval(args.target, other, device=target.device)
+        results[f"{compared.kind} {Path(other).name}"] = evaluate(target, compared, prompts, args.max_new_tokens,
+                                                                  **options)
     if args.baselines:
         for name, kind in (("untrained drafter", "untrained"), ("repeat last token", "repeat_last")):
             results[name] = evaluate_baseline(target, prompts, args.max_new_tokens, kind=kind,
                                               config=drafter.config, **options)
     print(json.dumps(results, indent=2, default=str) if args.json else format_results(results))
-    return 1 if results["drafter"]["lossless"] is False else 0
+    if not args.json and args.compare:
+        for name in list(results)[:1 + len(args.compare)]:  # --drafter, then each --compare
+            print(f"acceptance per draft position, {name}: "
+                  + " ".join(f"{a:.2f}" for a in results[name]["accept_per_pos"]))
+    return 1 if any(r.get("lossless") is False for r in results.values()) else 0

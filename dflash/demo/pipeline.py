@@ -77,7 +77,10 @@ def _run_demo(config: TrainConfig, run: RunDir, d: distributed.Dist) -> int:
                                                progress=show),
     }
     atomic_write(run.eval_results, json.dumps(results, indent=2, default=str) + "\n")
-    print(f"\nDFlash demo: {len(prompts)} held-out prompts, {n} new tokens each, "
+    kind = "DFlash2" if config.model.drafter_kind == "dflash2" else "DFlash"
+    print(f"\n{kind} demo: {len(prompts)} held-out prompts, {n} new tokens each, "
           f"block size {config.model.block_size}, {result.step} training steps\n" + format_results(results))
+    print("acceptance per draft position (trained drafter): "
+          + " ".join(f"{a:.2f}" for a in results["trained drafter"]["accept_per_pos"]))
     print(f"drafter: {run.drafter}")
     return 0 if results["trained drafter"].get("lossless", True) else 1

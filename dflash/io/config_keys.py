@@ -87,9 +87,10 @@ _DFLASH_SEMANTIC = {
 _ROPE_KEYS = {"rope_theta", "rope_type", "type"}
 
 
-def unsupported_keys(data: dict) -> list[str]:
+def unsupported_keys(data: dict, implemented=()) -> list[str]:
     """Each key of a config.json that this project cannot run as the engines would, with its value and
-    what it changes (an empty list: the drafter computes what the engines compute)."""
+    what it changes (an empty list: the drafter computes what the engines compute). `implemented`: the
+    dflash_config keys the drafter kind read implements (DFlash2's, dflash.model.dflash2.DFLASH2_KEYS)."""
     problems = []
     for key, value in data.items():
         if key in _READ or key in _INERT:
@@ -101,7 +102,7 @@ def unsupported_keys(data: dict) -> list[str]:
         else:
             problems.append(f"{key} (unknown to this project's reader; it may change what an engine computes)")
     for key, value in (data.get("dflash_config") or {}).items():
-        if key in DFLASH_KEYS:
+        if key in DFLASH_KEYS or key in implemented:
             continue
         if key in _DFLASH_SEMANTIC:
             same, effect = _DFLASH_SEMANTIC[key]

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -48,7 +47,10 @@ import torch
 from common.fsutil import atomic_write
 
 from dflash.errors import DrafterError
+from dflash.io import dflash2
 from dflash.io.config_keys import DFLASH_KEYS, unsupported_keys
+from dflash.io.config_values import as_float as _float, as_int as _int, as_int_list as _int_list, as_mapping as _mapping
+from dflash.model.dflash2 import DFLASH2_KEYS, DFlash2Config, build_drafter
 from dflash.model.drafter import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -69,15 +71,16 @@ AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 # --- writing -----------------------------------------------------------------------------------------
 def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
     """config.json of `config` in the reference layout (keys sorted when written)."""
-    sliding = SLIDING in config.layer_types
-    return {
-        "architectures": [ARCHITECTURE],
+    sliding, second = SLIDING in config.layer_types, dflash2.is_dflash2(config)
+    data = {
+        "architectures": [dflash2.ARCHITECTURE if second else ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "auto_map": dict(AUTO_MAP),
         "block_size": config.block_size,
-        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id},
+        "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id,
+                          **(dflash2.dflash_config_keys(config) if second else {})},
         "dtype": DTYPE_NAMES[dtype],
         "head_dim": config.head_dim,
         "hidden_act": "silu",
@@ -102,12 +105,15 @@ def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16)
         "use_sliding_window": sliding,
         "vocab_size": config.vocab_size,
     }
+    if second:  # modeling_dflash.py implements DFlashDraftModel only (dflash.io.dflash2)
+        del data["auto_map"]
+    return data
 
 
 def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of a drafter of this shape -> its shape (the module tree, built on `meta`)."""
     with torch.device("meta"):
-        return {name: tuple(t.shape) for name, t in Drafter(config).state_dict().items()}
+        return {name: tuple(t.shape) for name, t in build_drafter(config).state_dict().items()}
 
 
 def remote_code_source() -> str:
@@ -129,7 +135,8 @@ def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.
         raise DrafterError(f"cannot save a drafter as {dtype}; use one of {', '.join(DTYPE_NAMES.values())}")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
-    atomic_write(directory / MODEL_FILE, remote_code_source())
+    if not dflash2.is_dflash2(drafter.config):
+        atomic_write(directory / MODEL_FILE, remote_code_source())
     config = json.dumps(reference_config(drafter.config, dtype), indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, config)
     return directory
@@ -147,51 +154,6 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise DrafterError(f"{path} holds a {type(data).__name__}, not a JSON object")
     return data
-
-
-def _int(value, key: str, where: Path, minimum: int | None = None) -> int:
-    """`value` of config key `key` as an int (a JSON integer, an integral float or a numeric string), at least
-    `minimum`; anything else is a DrafterError naming the key."""
-    number = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, float) and value.is_integer():
-        number = int(value)
-    elif isinstance(value, str):
-        try:
-            number = int(value.strip())
-        except ValueError:
-            pass
-    if number is None or (minimum is not None and number < minimum):
-        need = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise DrafterError(f"{where}: {key} is {value!r}; it must be {need}")
-    return number
-
-
-def _float(value, key: str, where: Path) -> float:
-    if not isinstance(value, bool) and isinstance(value, (int, float, str)):
-        try:
-            number = float(value)
-        except (ValueError, OverflowError):
-            pass
-        else:
-            if math.isfinite(number):
-                return number
-    raise DrafterError(f"{where}: {key} is {value!r}; it must be a finite number")
-
-
-def _int_list(value, key: str, where: Path) -> list[int]:
-    if not isinstance(value, list):
-        raise DrafterError(f"{where}: {key} is {value!r}; it must be a list of integers, e.g. [1, 9, 17]")
-    return [_int(v, key, where) for v in value]
-
-
-def _mapping(value, key: str, where: Path) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise DrafterError(f"{where}: {key} is {value!r}; it must be a JSON object (or null)")
-    return value
 
 
 def _rope_theta(data: dict, where: Path) -> float:
@@ -244,12 +206,13 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
             f"\"model_type\": \"{MODEL_TYPE}\" and \"architectures\": [\"{ARCHITECTURE}\"]. Pass the drafter's "
             "directory, not the target's")
     architectures = data.get("architectures")
-    if not isinstance(architectures, list) or ARCHITECTURE not in architectures:
+    second = isinstance(architectures, list) and dflash2.ARCHITECTURE in architectures
+    if not isinstance(architectures, list) or not (second or ARCHITECTURE in architectures):
         named = ", ".join(map(str, architectures)) if isinstance(architectures, list) else repr(architectures)
         raise DrafterError(
             f"{where} has architectures {architectures!r}, not [\"{ARCHITECTURE}\"]: vLLM picks the "
             f"drafter model by this name, and other DFlash variants ({named}) "
-            "compute something else. This project reads DFlashDraftModel drafters only")
+            f"compute something else. This project reads DFlashDraftModel and {dflash2.ARCHITECTURE} drafters only")
     dflash = data.get("dflash_config")
     if not isinstance(dflash, dict):
         raise DrafterError(
@@ -262,7 +225,7 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
     if missing:
         raise DrafterError(f"{where} lacks {', '.join(missing)} (dflash_config holds target_layer_ids and "
                            "mask_token_id; the rest are top-level keys); add them from the drafter's training config")
-    unsupported = unsupported_keys(data)
+    unsupported = unsupported_keys(data, implemented=DFLASH2_KEYS if second else ())
     if unsupported:
         raise DrafterError(f"{where} uses {'; '.join(unsupported)}. This project's drafter does not implement "
                            "that, so it would compute other outputs than the engines do; it reads DFlashDraftModel "
@@ -282,8 +245,9 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
     heads = size("num_attention_heads")
     hidden = size("hidden_size")
     layer_types, window = _layer_types(data, n_layers, where)
+    extra = dflash2.parse_keys(dflash, where) if second else {}
     try:
-        return DrafterConfig(
+        return (DFlash2Config if second else DrafterConfig)(**extra,
             hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads,
             num_key_value_heads=size("num_key_value_heads", data.get("num_key_value_heads") or heads),
             head_dim=size("head_dim", data.get("head_dim") or max(1, hidden // heads)),
@@ -392,6 +356,6 @@ def load_drafter(directory, device="cpu", dtype: torch.dtype | None = None, atte
             log.warning("drafter %s holds %s weights; upcast to float32 for the CPU (exact)", directory,
                         DTYPE_NAMES[stored])
     with torch.device("meta"):
-        drafter = Drafter(config, attention=attention)
+        drafter = build_drafter(config, attention=attention)
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return drafter

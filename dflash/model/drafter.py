@@ -283,6 +283,9 @@ class DrafterLayer(nn.Module):
 class Drafter(nn.Module):
     """fc + RMSNorm over the tapped target states, `num_hidden_layers` DrafterLayers, a final RMSNorm."""
 
+    layer_class = DrafterLayer  # a drafter kind with other layers (dflash.model.dflash2) names its own
+    kind = "dflash"
+
     def __init__(self, config: DrafterConfig, attention: str = "sdpa"):
         super().__init__()
         if attention not in ATTENTION:
@@ -292,7 +295,7 @@ class Drafter(nn.Module):
         c = config
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         for module in self.modules():
             if isinstance(module, nn.Linear):

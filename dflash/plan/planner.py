@@ -153,7 +153,7 @@ def run_shapes(config, target_path) -> tuple[TargetShape, DrafterShape, MicroBat
     model = config.model
     drafter = drafter_shape(target, layers=model.drafter_layers, block_size=model.block_size,
                             tapped=len(model.target_layer_ids) if model.target_layer_ids else None,
-                            sliding_window=model.sliding_window)
+                            sliding_window=model.sliding_window, kind=model.drafter_kind)
     return target, drafter, MicroBatch(batch=1, seq_len=model.max_length, anchors=model.max_anchors)
 
 

@@ -158,10 +158,12 @@ def target_shape(spec: str, layers: int | None = None) -> TargetShape:
 
 
 def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, tapped: int | None = None,
-                  sliding_window: int = 0) -> DrafterShape:
+                  sliding_window: int = 0, kind: str = "dflash") -> DrafterShape:
     """The drafter dflash-train would build for `target` (DrafterConfig.from_target's shape: the target's
-    attention shape, `tapped` layers, by default min(5, layers - 3) as Target taps them), counted."""
-    from dflash.model.drafter import FULL, SLIDING, Drafter, DrafterConfig
+    attention shape, `tapped` layers, by default min(5, layers - 3) as Target taps them), counted; `kind`
+    dflash2 counts a DFlash2 drafter (its convolutions and candidate selector)."""
+    from dflash.model.dflash2 import build_drafter, config_class
+    from dflash.model.drafter import FULL, SLIDING
     from dflash.model.target import default_layer_ids
 
     n = tapped if tapped is not None else min(5, max(1, target.layers - 3))
@@ -169,13 +171,13 @@ def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, ta
         raise ConfigError(f"drafter layers {layers}, block size {block_size}, tapped layers {n}: need layers >= 1, "
                           f"block size >= 2 and 1 to {target.layers} tapped layers")
     ids = default_layer_ids(target.layers, n) if n <= max(1, target.layers - 3) else list(range(n))
-    config = DrafterConfig(hidden_size=target.hidden, num_hidden_layers=layers, num_attention_heads=target.heads,
+    config = config_class(kind)(hidden_size=target.hidden, num_hidden_layers=layers, num_attention_heads=target.heads,
                            num_key_value_heads=target.kv_heads, head_dim=target.head_dim,
                            intermediate_size=target.intermediate, vocab_size=target.vocab, block_size=block_size,
                            num_target_layers=target.layers, target_layer_ids=ids, mask_token_id=target.vocab - 1,
                            layer_types=[SLIDING] * (layers - 1) + [FULL] if sliding_window else [],
                            sliding_window=sliding_window or None)
     with torch.device("meta"):
-        drafter = Drafter(config)
+        drafter = build_drafter(config)
     return DrafterShape(layers=layers, hidden=target.hidden, tapped=len(ids), block_size=block_size,
                         params=_meta_params(drafter), unit_params=_meta_params(drafter.layers[0]), config=config)

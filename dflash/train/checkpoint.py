@@ -230,8 +230,9 @@ def check_compatible(checkpoint: Path, drafter_config: dict, data_fingerprint: s
             f"gives {fp_new}). A drafter only fits the target it was trained on: pass the same --target, "
             "or start a new run in another --out without --resume."
         )
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in sorted(drafter_config.items())
-             if k != "target_fingerprint" and saved.get(k) != v]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {drafter_config.get(k)!r}"  # a key of one kind only too
+             for k in sorted(set(drafter_config) | set(saved))
+             if k != "target_fingerprint" and saved.get(k) != drafter_config.get(k)]
     if diffs:
         raise CheckpointError(
             f"{checkpoint} holds a drafter of a different shape ({'; '.join(diffs)}). Resume with the "

@@ -40,6 +40,7 @@ from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs, write_plan
 from dflash.data.batches import collate, load_items
 from dflash.errors import CheckpointError, ConfigError, DflashError
+from dflash.model.dflash2 import dflash2_extra_params
 from dflash.train import checkpoint as ckpt
 from dflash.train.evaluation import eval_split
 from dflash.train.heartbeat import Heartbeat
@@ -126,7 +127,9 @@ def check_memory(configs: dict[str, TrainConfig], target, device: torch.device, 
     kv = int(getattr(c, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
     params = {name: drafter_param_count(hidden, heads, kv, head_dim, int(c.intermediate_size),
-                                        cfg.model.drafter_layers, tapped[name]) for name, cfg in configs.items()}
+                                        cfg.model.drafter_layers, tapped[name])
+              + (dflash2_extra_params(hidden, int(c.vocab_size), cfg.model.drafter_layers)
+                 if cfg.model.drafter_kind == "dflash2" else 0) for name, cfg in configs.items()}
     check_drafters_fit(params, target_bytes, torch.cuda.get_device_properties(device).total_memory)
 
 

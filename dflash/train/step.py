@@ -27,6 +27,7 @@ from dflash import distributed
 from dflash.train.blocks import build_blocks
 from dflash.train.head_loss import fused_weighted_ce
 from dflash.train.losses import LOSS_CHUNK_ROWS, weighted_ce_from_hidden
+from dflash.train.selector_loss import dflash2_sums
 
 
 @dataclass
@@ -92,7 +93,8 @@ def summarize(totals: torch.Tensor, block_size: int, grad_norm: torch.Tensor | N
 def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: list[torch.Tensor], *,
                      block_size: int, gamma: float | None, autocast_dtype: torch.dtype,
                      mark: Callable[[str], None] | None = None, keep_correct: bool = False,
-                     fused_head: bool = True, context: torch.Tensor | None = None) -> StepSums:
+                     fused_head: bool = True, context: torch.Tensor | None = None,
+                     selector_missing: str = "drop") -> StepSums:
     """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
 
     batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate); anchors: one
@@ -103,6 +105,8 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
     head that is no bias-free Linear) takes losses.weighted_ce_from_hidden instead: the same loss with
     checkpointed chunks (bench/bench_drafter.py's "before"). `context` is target.context(input_ids,
     attention_mask) when the caller already ran it (several drafters on one target pass: dflash.train.multi).
+    A DFlash2 drafter's loss adds its selector term (dflash.train.selector_loss; `selector_missing` picks
+    the published variant).
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     blocks = build_blocks(ids, loss_mask * attn, anchors, block_size, target.mask_token_id)
@@ -120,7 +124,11 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
         # [anchors x block x vocab] logits).
         hidden = hidden.view(B, N, block_size, -1)
         head_weight = target.head_weight if fused_head else None
-        if head_weight is not None:
+        inner = getattr(drafter, "module", drafter)  # under DDP
+        if getattr(inner, "kind", "dflash") == "dflash2":
+            loss_sum, weight, correct = dflash2_sums(inner, hidden, target.lm_head, blocks.block_ids, blocks.labels,
+                                                     blocks.label_valid, gamma, missing=selector_missing)
+        elif head_weight is not None:
             loss_sum, weight, correct = fused_weighted_ce(hidden, head_weight, blocks.labels, blocks.label_valid, gamma)
         else:
             loss_sum, weight, correct = weighted_ce_from_hidden(hidden, target.lm_head, blocks.labels,

@@ -98,7 +98,7 @@ class Trainer:
                  stop: StopFlag, on_step: Callable[[int, dict], None] | None = None,
                  eval_items: list[dict] | None = None):
         from dflash.io.drafter import load_drafter
-        from dflash.model.drafter import Drafter
+        from dflash.model.dflash2 import build_drafter
 
         self.config, self.target, self.items, self.d, self.stop = config, target, items, d, stop
         self.on_step = on_step
@@ -109,7 +109,7 @@ class Trainer:
         model, optim = config.model, config.optim
         torch.manual_seed(optim.seed)  # the same initial drafter on every rank and on every rerun
         attention = attention_impl(config, d.device, self.drafter_config.head_dim)
-        self.drafter = Drafter(self.drafter_config, attention=attention).to(d.device)
+        self.drafter = build_drafter(self.drafter_config, attention=attention).to(d.device)
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
         self.layout = config.runtime.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
@@ -212,7 +212,8 @@ class Trainer:
         try:
             with self.model.no_sync() if not sync and isinstance(self.model, DDP) else nullcontext():
                 sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
-                                        gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context)
+                                        gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context,
+                                        selector_missing=model.selector_missing)
                 backward(sums, self.d, self.config.optim.grad_accum)
         except torch.OutOfMemoryError as exc:
             raise TrainError(oom_message(self.config, tuple(batch["input_ids"].shape),
@@ -308,19 +309,17 @@ def drafter_config(config: TrainConfig, target):
     like the target's attention with --drafter-layers and --sliding-window."""
     from dflash.io.drafter import read_drafter_config
     from dflash.io.fit import check_fits_target
-    from dflash.model.drafter import FULL, SLIDING, DrafterConfig
+    from dflash.model.dflash2 import check_kind, config_for_target
 
     from dflash.io.engines import check_servable
 
     check_servable(target.layer_ids, target.num_layers, target.tokenizer, target.mask_token_id)
     opts = config.model
     if not opts.init_drafter:
-        n, window = opts.drafter_layers, opts.sliding_window
-        return DrafterConfig.from_target(target, num_hidden_layers=n, block_size=opts.block_size,
-                                         layer_types=[SLIDING] * (n - 1) + [FULL] if window else [],
-                                         sliding_window=window or None)
+        return config_for_target(opts.drafter_kind, target, opts.drafter_layers, opts.block_size, opts.sliding_window)
     where = f"--init-drafter {opts.init_drafter}"
     init = read_drafter_config(opts.init_drafter)
+    check_kind(init, opts.drafter_kind, where)
     check_fits_target(init, target, where)
     if init.block_size != opts.block_size:
         raise ConfigError(f"{where} was trained with block size {init.block_size}, --block-size is "

@@ -339,7 +339,8 @@ def test_weights_without_a_config(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="llama"), "model_type 'llama'; a DFlash drafter"),
-    (dict(architectures=["DFlash2DraftModel"]), "not \\[\"DFlashDraftModel\"\\]"),
+    (dict(architectures=["DSparkDraftModel"]), "not \\[\"DFlashDraftModel\"\\]"),
+    (dict(architectures=["DFlash2DraftModel"]), "a DFlash2DraftModel needs dflash_config.conv_kernel_size"),
     (dict(dflash_config=None), "has no dflash_config"),
     (dict(dflash_config={"target_layer_ids": [1, 2, 3]}), "lacks mask_token_id"),
     (dict(num_target_layers=None), "lacks num_target_layers"),

@@ -1,0 +1,53 @@
+"""A DFlash and a DFlash2 drafter trained on one target pass (the same data, the same micro-batches) each
+end bit-identical to a run of it alone; the memory check counts DFlash2's extra parameters."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from dflash.cli import train_main
+from dflash.config.drafters import drafter_out
+from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_extra_params
+from dflash.train.multi import drafter_param_count
+from dflash.train.rundir import RunDir
+from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
+
+SWEEP = """
+[[drafters]]
+name = "dflash"
+
+[[drafters]]
+name = "dflash2"
+drafter-kind = "dflash2"
+selector-missing = "inject"
+"""
+TIMING = ("tokens_per_s", "mfu", "gpu_mem_gib")
+
+
+def test_dflash_and_dflash2_on_one_target_pass_equal_their_runs_alone(tmp_path):
+    target, data = save_chat_target(tmp_path / "target"), write_chat_jsonl(tmp_path / "chat.jsonl", n=12)
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "both"
+    assert train_main(train_args(target, data, out, max_steps=2) + ["--config", str(sweep)]) == 0
+    alone_options = {"dflash": {}, "dflash2": dict(drafter_kind="dflash2", selector_missing="inject")}
+    for name, options in alone_options.items():
+        alone = tmp_path / f"alone-{name}"
+        assert train_main(train_args(target, data, alone, max_steps=2, **options)) == 0
+        mine = load_file(str(RunDir(drafter_out(out, name)).drafter / "model.safetensors"))
+        theirs = load_file(str(RunDir(alone).drafter / "model.safetensors"))
+        assert mine.keys() == theirs.keys()
+        assert any(k.startswith("candidate_selector.") for k in mine) == (name == "dflash2")
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), (name, key)
+        strip = [{k: v for k, v in m.items() if k not in TIMING} for m in read_metrics(drafter_out(out, name))]
+        assert strip == [{k: v for k, v in m.items() if k not in TIMING} for m in read_metrics(alone)]
+
+
+def test_the_memory_check_counts_the_dflash2_parameters():
+    c = DFlash2Config(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=80, num_hidden_layers=3, vocab_size=100, block_size=4, num_target_layers=8,
+                      target_layer_ids=[1, 3, 5], mask_token_id=2)
+    n = sum(p.numel() for p in DFlash2Drafter(c).parameters())
+    assert drafter_param_count(48, 4, 2, 16, 80, 3, 3) + dflash2_extra_params(48, 100, 3) == n
