@@ -49,7 +49,7 @@ from dflash.train.numerics import (STEP_VARIANTS, StandInTarget, compare, gradie
 from dflash.model.shapes import STEP_SHAPES, drafter_config
 from dflash.train.synthetic import synthetic_batch
 from dflash.train.timing import free_memory, matmul_peak, sync
-from dflash.train.trainer import auto_precision
+from dflash.train.setup import auto_precision
 
 
 def step_flops(dcfg: DrafterConfig, anchors: list[torch.Tensor], batch: dict) -> dict:

@@ -53,7 +53,8 @@ from dflash.train.signals import StopFlag
 from dflash.train.step import micro_batch_sums
 from dflash.train.synthetic import synthetic_items
 from dflash.train.timing import free_memory, matmul_peak, sync
-from dflash.train.trainer import Trainer, auto_precision
+from dflash.train.setup import auto_precision
+from dflash.train.trainer import Trainer
 
 
 def run_config(out: str, args, layers: int, device: torch.device) -> TrainConfig:

@@ -57,7 +57,8 @@ from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.step import backward, micro_batch_sums
 from dflash.train.synthetic import collate_with_anchors, synthetic_items
 from dflash.train.timing import free_memory, matmul_peak, sync
-from dflash.train.trainer import attention_impl, auto_precision, compile_layers, precision, train
+from dflash.train.setup import attention_impl, auto_precision, compile_layers, precision
+from dflash.train.trainer import train
 
 VARIANTS = ("before", "after")
 

@@ -16,7 +16,8 @@ from dflash.decode.evaluate import evaluate, evaluate_baseline, format_results
 from dflash.regenerate.local import regenerate
 from dflash.train.monitor import setup_logging
 from dflash.train.rundir import RunDir
-from dflash.train.trainer import load_target, train
+from dflash.train.setup import load_target
+from dflash.train.trainer import train
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.target import build_demo_target
 

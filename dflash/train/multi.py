@@ -49,7 +49,8 @@ from dflash.train.precheck import check_before_loading, check_resume_checkpoint
 from dflash.train.rundir import RunDir
 from dflash.train.signals import StopFlag
 from dflash.train.taps import TargetView, tapped_layers, union
-from dflash.train.trainer import Trainer, TrainResult, attention_impl, load_target
+from dflash.train.setup import attention_impl, load_target
+from dflash.train.trainer import Trainer, TrainResult
 
 log = logging.getLogger("dflash.train")
 

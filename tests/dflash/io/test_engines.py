@@ -48,7 +48,7 @@ def test_dflash_train_refuses_the_last_layer_before_loading_the_target(chat, tmp
 def test_training_with_a_loaded_target_refuses_the_last_layer_too(chat, tmp_path):
     """The same rule where the precheck does not run: a Target handed to train()."""
     from dflash.config import TrainConfig
-    from dflash.train.trainer import drafter_config
+    from dflash.train.setup import drafter_config
 
     target = Target.load(chat[0], layer_ids=[0, 3])
     with pytest.raises(TargetError, match="target layer id 3 is the target's last layer"):

@@ -251,7 +251,7 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
 def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
     from dflash.config import TrainConfig
     from dflash.errors import ConfigError
-    from dflash.train.trainer import attention_impl
+    from dflash.train.setup import attention_impl
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     config = TrainConfig.from_flat
