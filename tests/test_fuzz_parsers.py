@@ -399,3 +399,16 @@ def test_resume_run_config(doc, raw):
         TrainConfig.from_json(path)
     except DflashError:
         pass
+
+
+def test_a_jsonl_record_of_exactly_the_limit_is_kept_without_its_line_end():
+    """A found case: a 128-byte record on a line of its own (129 bytes with the newline) at --max-length 1."""
+    from dflash.data.sources import _shard_records, max_record_bytes
+
+    limit = max_record_bytes(1)
+    frame = json.dumps({"messages": [{"role": "user", "content": ""}]})
+    record = json.dumps({"messages": [{"role": "user", "content": "x" * (limit - len(frame))}]})
+    assert len(record.encode()) == limit
+    path = _file("exact.jsonl", record.encode() + b"\r\n" + b"[]\n")
+    records = list(_shard_records([str(path)], 1))
+    assert records[0] == {"raw": record, "where": f"{path}:1", "error": ""}

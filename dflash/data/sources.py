@@ -137,9 +137,9 @@ def _jsonl_records(shard: Path, max_length: int):
     with shard.open("rb") as lines:
         for lineno, raw, size in _lines(lines, limit + 2):  # + 2: room for the line's end, "\r\n"
             where = f"{shard}:{lineno}"
-            if raw is None or len(raw.rstrip(b"\r\n")) > limit:
-                yield {"raw": "", "where": where, "error": too_long(len(raw.rstrip(b"\r\n")) if raw else size,
-                                                                    max_length)}
+            raw = raw.rstrip(b"\r\n") if raw is not None else None  # the record is the line without its end
+            if raw is None or len(raw) > limit:
+                yield {"raw": "", "where": where, "error": too_long(len(raw) if raw is not None else size, max_length)}
                 continue
             if lineno == 1:  # a UTF-8 byte order mark (Windows editors) is not part of the first record
                 raw = raw.removeprefix(BOM)
