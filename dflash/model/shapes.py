@@ -54,23 +54,32 @@ def mrope_sections(head_dim: int) -> list[int]:
     return [base + (i < extra) for i in range(3)]
 
 
-def random_target(shape: dict, device: torch.device, dtype: torch.dtype) -> Target:
-    """A random Qwen3.5 hybrid of a target shape, built directly on `device` in `dtype` (seeded: the same
-    weights every call). Its tokenizer is a stand-in (pad 0, eos 1), its mask token id 2; feed it ids."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def qwen35_config(shape: dict):
+    """The transformers config of a Qwen3.5 hybrid of a target shape (3 GatedDeltaNet : 1 full attention);
+    its tokenizer stand-in pads with 0 and ends with 1."""
+    from transformers import Qwen3_5TextConfig
 
     s, L = shape, shape["layers"]
-    config = Qwen3_5TextConfig(
+    linear_head_dim = s.get("linear_head_dim", 128)
+    return Qwen3_5TextConfig(
         vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=L,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)],
         num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
         linear_num_key_heads=s["linear_k_heads"], linear_num_value_heads=s["linear_v_heads"],
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, hidden_act="silu",
+        linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim, linear_conv_kernel_dim=4,
+        hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": mrope_sections(s["head_dim"]),
-                         "mrope_interleaved": True},
+                         "mrope_section": mrope_sections(s["head_dim"]), "mrope_interleaved": True},
         tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, attn_implementation="sdpa",
     )
+
+
+def random_target(shape: dict, device: torch.device, dtype: torch.dtype) -> Target:
+    """A random Qwen3.5 hybrid of a target shape, built directly on `device` in `dtype` (seeded: the same
+    weights every call). Its tokenizer is a stand-in (pad 0, eos 1), its mask token id 2; feed it ids."""
+    from transformers import Qwen3_5ForCausalLM
+
+    config = qwen35_config(shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3_5ForCausalLM._from_config(config, dtype=dtype)

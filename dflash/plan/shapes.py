@@ -106,23 +106,12 @@ def target_shape_from_dir(path) -> TargetShape:
 
 
 def _preset(shape: dict):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    from dflash.model.shapes import mrope_sections
+    from dflash.model.shapes import qwen35_config
 
-    s, L = shape, shape["layers"]
-    config = Qwen3_5TextConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=L,
-        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(L)],
-        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-        linear_num_key_heads=s["linear_k_heads"], linear_num_value_heads=s["linear_v_heads"],
-        linear_key_head_dim=s.get("linear_head_dim", 128), linear_value_head_dim=s.get("linear_head_dim", 128),
-        linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": mrope_sections(s["head_dim"]), "mrope_interleaved": True},
-        tie_word_embeddings=False)
     with torch.device("meta"):
-        return Qwen3_5ForCausalLM(config)
+        return Qwen3_5ForCausalLM(qwen35_config(shape))
 
 
 @functools.lru_cache(maxsize=8)

@@ -60,6 +60,19 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def publish(tmp: Path, final: Path) -> None:
+    """Make the complete checkpoint `tmp` visible as `final` and point `latest` at it. The same step
+    written twice (a stop right after a resume): the old one is swapped out, then dropped."""
+    root, old = final.parent, None
+    if final.exists():
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    atomic_write(root / "latest", final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: dict,
                     config: TrainConfig, keep: int = 2) -> Path:
     """Write checkpoint `root/step-N` atomically, point `root/latest` at it, drop the oldest beyond `keep`.
@@ -86,14 +99,7 @@ def save_checkpoint(root: Path, *, step: int, drafter, optimizer, scheduler, tra
         torch.save(state, buffer)
         atomic_write(tmp / STATE_FILE, buffer.getvalue())
         config.to_json(tmp / "train_config.json")
-        old = None
-        if final.exists():  # same step written twice (stop right after a resume): swap, then drop the old
-            old = root / f".old-{final.name}-{os.getpid()}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        atomic_write(root / "latest", final.name + "\n")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(tmp, final)
     except (OSError, RuntimeError) as exc:  # RuntimeError: torch's and safetensors' writers on a full disk
         raise CheckpointError(
             f"writing checkpoint {final} failed: {type(exc).__name__}: {exc}. The previous checkpoint is intact"

@@ -18,7 +18,6 @@ dflash.train.checkpoint, whose atomicity and pruning this reuses).
 from __future__ import annotations
 
 import io
-import os
 import shutil
 from pathlib import Path
 
@@ -92,14 +91,7 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
             config.to_json(tmp / "train_config.json")
         barrier()  # every rank's shards are on disk before the rename makes the checkpoint visible
         if rank == 0:
-            old = None
-            if final.exists():
-                old = root / f".old-{final.name}-{os.getpid()}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            atomic_write(root / "latest", final.name + "\n")
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            ckpt.publish(tmp, final)
             ckpt._prune(root, keep)
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(
