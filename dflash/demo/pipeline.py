@@ -14,7 +14,7 @@ from dflash.config import TrainConfig
 from dflash.data.batches import ChatDataset, dataset_items
 from dflash.decode.evaluate import evaluate, evaluate_baseline, format_results
 from dflash.regenerate.local import regenerate
-from dflash.train.monitor import setup_logging
+from dflash.train.monitor import claimed_run
 from dflash.train.rundir import RunDir
 from dflash.train.setup import load_target
 from dflash.train.trainer import train
@@ -44,11 +44,7 @@ def run_demo(config: TrainConfig) -> int:
     exit code (1 when the trained drafter's output was not lossless). The run holds --out from the
     first write of its data to its evaluation (dflash.train.rundir)."""
     d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
-    run = RunDir(config.io.out)
-    with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
-        setup_logging(run, d.is_main)
-        if removed:
-            log.info("--overwrite: deleted the previous run's %s in %s", ", ".join(removed), run.root)
+    with claimed_run(config, d) as run:
         return _run_demo(config, run, d)
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import sys
 import time
+from contextlib import contextmanager
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,6 +73,19 @@ class _LogFile(logging.FileHandler):
             super().close()
         except OSError as exc:
             self._failed(exc)
+
+
+@contextmanager
+def claimed_run(config, d: Dist):
+    """The run directory of `config`, held for the run (RunDir.claim: a second run into it stops at once;
+    an old run is refused unless --resume or --overwrite), with its log set up; yields the RunDir."""
+    run = RunDir(config.io.out)
+    with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
+        setup_logging(run, d.is_main)
+        if removed:
+            logging.getLogger("dflash.train").info("--overwrite: deleted the previous run's %s in %s",
+                                                   ", ".join(removed), run.root)
+        yield run
 
 
 def setup_logging(run: RunDir, is_main: bool) -> None:

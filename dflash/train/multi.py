@@ -42,9 +42,10 @@ from dflash.data.batches import collate, load_items
 from dflash.errors import CheckpointError, ConfigError, DflashError
 from dflash.model.dflash2 import dflash2_extra_params
 from dflash.train import checkpoint as ckpt
+from dflash.train import layouts
 from dflash.train.evaluation import eval_split
 from dflash.train.heartbeat import Heartbeat
-from dflash.train.monitor import setup_logging
+from dflash.train.monitor import claimed_run
 from dflash.train.precheck import check_before_loading, check_resume_checkpoint
 from dflash.train.rundir import RunDir
 from dflash.train.signals import StopFlag
@@ -302,12 +303,9 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
         raise ConfigError("several drafters on one target pass run under --layout replicate, shard or offload; "
                           "under --layout pipeline the target's stages serve one drafter. Pick another layout, "
                           "or train the drafters one run each.")
-    d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
-    run = RunDir(config.io.out)
-    with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
-        setup_logging(run, d.is_main)
-        if removed:
-            log.info("--overwrite: deleted the previous run's %s in %s", ", ".join(removed), run.root)
+    layouts.check_layout(config)  # before any process group or weight
+    d = layouts.init(config)
+    with claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
         try:
             for cfg in configs.values():

@@ -37,7 +37,7 @@ from dflash.train.schedule import lr_lambda
 from dflash.train.signals import StopFlag
 from dflash.train.evaluation import SplitEvaluator, eval_split
 from dflash.train.flops import StepFlops
-from dflash.train.monitor import MonitorPlan, RunMonitor, setup_logging
+from dflash.train.monitor import MonitorPlan, RunMonitor, claimed_run
 from dflash.train.rundir import RunDir
 from dflash.train.setup import attention_impl, compile_layers, drafter_config, load_target, pad_id, precision
 from dflash.train.step import StepSums, backward, micro_batch_sums, oom_message, summarize
@@ -274,11 +274,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     """
     layouts.check_layout(config)  # before any process group or weight
     d = layouts.init(config)
-    run = RunDir(config.io.out)
-    with run.claim(d, resume=config.io.resume, overwrite=config.io.overwrite) as removed:
-        setup_logging(run, d.is_main)
-        if removed:
-            log.info("--overwrite: deleted the previous run's %s in %s", ", ".join(removed), run.root)
+    with claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
         try:
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
