@@ -147,35 +147,37 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --device cpu to check the script at a small size)")
-    d = distributed.init(args.device, group_alone=True, host_collectives=args.device == "cuda")
-    cuda = d.device.type == "cuda"
-    shape = QWEN35_27B if args.preset == "27b" else scaled_qwen35_shape(args.hidden, args.layers, args.vocab)
-    target = random_target(shape, d.device, torch.bfloat16 if cuda else torch.float32)
-    dcfg = DrafterConfig.from_target(target, num_hidden_layers=5, block_size=16)
-    batch, anchors = collate_with_anchors(synthetic_items(args.batch_size, args.seq_len, target.vocab_size),
-                                          args.anchors, d.device)
-    total = torch.cuda.get_device_properties(d.device).total_memory / 1e9 if cuda else float("nan")
-    rows = []
-    for layout in filter(None, args.uncapped.split(",")):
-        rows.append(run_layout(layout, target, dcfg, batch, anchors, d, args, None))
-    if cuda:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb / total), d.device)
-    for layout in filter(None, args.capped.split(",")):
-        rows.append(run_layout(layout, target, dcfg, batch, anchors, d, args, args.cap_gb if cuda else None))
-    base = next((r for r in rows if r["layout"] == "replicate" and r.get("fits") and r["cap_gb"] is None), None)
-    print(f"\ncard {total:.0f} GB; micro-batch {args.batch_size} x {args.seq_len} tokens, {args.anchors} anchors/seq")
-    print(f"{'layout':<10} {'cap GB':>7} {'fits':>5} {'peak GB':>8} {'step s':>7} {'tok/s':>7} {'vs replicate':>12}")
-    for r in rows:
-        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base and r.get("fits") else float("nan")
-        cap = f"{r['cap_gb']:.0f}" if r["cap_gb"] else "-"
-        print(f"{r['layout']:<10} {cap:>7} {str(r['fits']):>5} {r.get('peak_gb', float('nan')):>8.1f} "
-              f"{r.get('step_s', float('nan')):>7.3f} {r.get('tokens_per_s', float('nan')):>7.0f} {ratio:>12.3f}")
-        if "update_rel_err_vs_fp64_adamw" in r:
-            print(f"  {r['layout']} update vs float64 AdamW on the same gradients: relative error "
-                  f"{r['update_rel_err_vs_fp64_adamw']:.2e}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"card_gb": total, "args": vars(args), "rows": rows}, indent=2) + "\n")
-    distributed.close(d)
+    with distributed.joined(args.device, group_alone=True, host_collectives=args.device == "cuda") as d:
+        cuda = d.device.type == "cuda"
+        shape = QWEN35_27B if args.preset == "27b" else scaled_qwen35_shape(args.hidden, args.layers, args.vocab)
+        target = random_target(shape, d.device, torch.bfloat16 if cuda else torch.float32)
+        dcfg = DrafterConfig.from_target(target, num_hidden_layers=5, block_size=16)
+        batch, anchors = collate_with_anchors(synthetic_items(args.batch_size, args.seq_len, target.vocab_size),
+                                              args.anchors, d.device)
+        total = torch.cuda.get_device_properties(d.device).total_memory / 1e9 if cuda else float("nan")
+        rows = []
+        for layout in filter(None, args.uncapped.split(",")):
+            rows.append(run_layout(layout, target, dcfg, batch, anchors, d, args, None))
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb / total), d.device)
+        for layout in filter(None, args.capped.split(",")):
+            rows.append(run_layout(layout, target, dcfg, batch, anchors, d, args, args.cap_gb if cuda else None))
+        base = next((r for r in rows if r["layout"] == "replicate" and r.get("fits") and r["cap_gb"] is None), None)
+        print(f"\ncard {total:.0f} GB; micro-batch {args.batch_size} x {args.seq_len} tokens, "
+              f"{args.anchors} anchors/seq")
+        print(f"{'layout':<10} {'cap GB':>7} {'fits':>5} {'peak GB':>8} {'step s':>7} {'tok/s':>7} "
+              f"{'vs replicate':>12}")
+        for r in rows:
+            ratio = r["tokens_per_s"] / base["tokens_per_s"] if base and r.get("fits") else float("nan")
+            cap = f"{r['cap_gb']:.0f}" if r["cap_gb"] else "-"
+            print(f"{r['layout']:<10} {cap:>7} {str(r['fits']):>5} {r.get('peak_gb', float('nan')):>8.1f} "
+                  f"{r.get('step_s', float('nan')):>7.3f} {r.get('tokens_per_s', float('nan')):>7.0f} {ratio:>12.3f}")
+            if "update_rel_err_vs_fp64_adamw" in r:
+                print(f"  {r['layout']} update vs float64 AdamW on the same gradients: relative error "
+                      f"{r['update_rel_err_vs_fp64_adamw']:.2e}")
+        if args.json:
+            record = {"card_gb": total, "args": vars(args), "rows": rows}
+            Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

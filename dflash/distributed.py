@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ class Dist:
     local_rank: int
     device: torch.device
     group: object = None  # the ranks' process group (None: all of them); rank and world_size count in it
+    owns_group: bool = False  # init() made the default process group, so close() destroys it
 
     @property
     def is_main(self) -> bool:
@@ -68,19 +71,47 @@ def init(device_spec: str = "auto", timeout_s: float = 1800, cpu_threads: int = 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_spec, local_rank)
-    if (world_size > 1 or group_alone) and not dist.is_initialized():
+    owns_group = (world_size > 1 or group_alone) and not dist.is_initialized()
+    if owns_group:
         backend = "gloo"
         if device.type == "cuda":
             backend = "cpu:gloo,cuda:nccl" if host_collectives else "nccl"
         alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world_size == 1 else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **alone,
                                 **({"device_id": device} if device.type == "cuda" else {}))
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, owns_group=owns_group)
 
 
-def close(d: Dist) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def close(d: Dist, *, clean: bool = True) -> None:
+    """Tear down the process group init() made, while the interpreter is still whole.
+
+    A group left for the interpreter's exit is destroyed during finalization: a gloo worker thread that
+    still holds a finished collective then frees its tensors, needs the GIL, and the process dies with
+    "terminate called without an active exception" (SIGABRT) after its work is done (pytorch#179291).
+    `clean`: every rank got here; a barrier first drains the collectives in flight on all of them. After
+    an error the ranks are not in step: no barrier, and only a gloo-only group is destroyed (NCCL's
+    teardown can block on a peer still inside a collective, pytorch/torchtitan#1342; the process's exit
+    ends it).
+    """
+    if not (d.owns_group and dist.is_initialized()):
+        return
+    if clean:
+        dist.barrier()
+    elif d.device.type == "cuda":
+        return
+    dist.destroy_process_group()
+
+
+@contextmanager
+def joined(device_spec: str = "auto", **init_options) -> Iterator[Dist]:
+    """init() for the length of a `with` block, then close(): the whole life of a run's process group."""
+    d = init(device_spec, **init_options)
+    try:
+        yield d
+    except BaseException:
+        close(d, clean=False)
+        raise
+    close(d)
 
 
 def barrier(d: Dist) -> None:

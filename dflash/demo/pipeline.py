@@ -43,8 +43,8 @@ def run_demo(config: TrainConfig) -> int:
     untrained-drafter and repeat-last-token baselines; <out>/eval.json keeps the numbers. Returns the
     exit code (1 when the trained drafter's output was not lossless). The run holds --out from the
     first write of its data to its evaluation (dflash.train.rundir)."""
-    d = distributed.init(config.runtime.device, cpu_threads=config.runtime.cpu_threads)
-    with claimed_run(config, d) as run:
+    with distributed.joined(config.runtime.device, cpu_threads=config.runtime.cpu_threads) as d, \
+            claimed_run(config, d) as run:
         return _run_demo(config, run, d)
 
 

@@ -101,11 +101,13 @@ def check_layout(config: TrainConfig, world_size: int | None = None) -> None:
                           "dflash-eval afterwards.")
 
 
-def init(config: TrainConfig) -> distributed.Dist:
-    """Join the process group this layout needs (a group of one for FSDP2 at world size 1)."""
+def joined(config: TrainConfig):
+    """Join the process group this layout needs (a group of one for FSDP2 at world size 1) for the length
+    of a `with` block, which yields the Dist; the group is torn down when the block ends
+    (dflash.distributed.joined)."""
     runtime = config.runtime
-    return distributed.init(runtime.device, cpu_threads=runtime.cpu_threads,
-                            group_alone=is_sharded(runtime.layout), host_collectives=runtime.layout == "offload")
+    return distributed.joined(runtime.device, cpu_threads=runtime.cpu_threads,
+                              group_alone=is_sharded(runtime.layout), host_collectives=runtime.layout == "offload")
 
 
 def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist, compile: bool = False):

@@ -304,8 +304,7 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
                           "under --layout pipeline the target's stages serve one drafter. Pick another layout, "
                           "or train the drafters one run each.")
     layouts.check_layout(config)  # before any process group or weight
-    d = layouts.init(config)
-    with claimed_run(config, d) as run:
+    with layouts.joined(config) as d, claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
         try:
             for cfg in configs.values():

@@ -273,8 +273,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     (dflash.train.precheck.check_memory), which otherwise reads the visible GPU and skips a CPU.
     """
     layouts.check_layout(config)  # before any process group or weight
-    d = layouts.init(config)
-    with claimed_run(config, d) as run:
+    with layouts.joined(config) as d, claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
         try:
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
