@@ -17,6 +17,7 @@ RuntimeError), so callers that catch those still do.
     8  ServerError      an inference server failed requests after every retry (`dflash regenerate --endpoint`)
     9  ChatTemplateError the target's chat template gives no way to locate assistant turns (a DataError)
    10  RunDirBusy       another dflash-train run holds the lock on the same --out (also a common BusyError)
+   11  RankLostError    another process of a multi-process run went away (crash, kill, OOM killer) mid-run
 """
 
 from __future__ import annotations
@@ -85,3 +86,10 @@ class RunDirBusy(DflashError, BusyError):
     Code 10, not common.errors' 7: 7 is DrafterError in this family."""
 
     exit_code = 10
+
+
+class RankLostError(TrainError):
+    """Another process of a multi-process run went away in the middle of a collective; the surviving
+    ranks stop with this (the message names this rank, the step and the last checkpoint)."""
+
+    exit_code = 11

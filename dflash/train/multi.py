@@ -51,7 +51,7 @@ from dflash.train.rundir import RunDir
 from dflash.train.signals import StopFlag
 from dflash.train.taps import TargetView, tapped_layers, union
 from dflash.train.setup import attention_impl, load_target
-from dflash.train.trainer import Trainer, TrainResult
+from dflash.train.trainer import Trainer, TrainResult, known_fault
 
 log = logging.getLogger("dflash.train")
 
@@ -306,6 +306,7 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
     layouts.check_layout(config)  # before any process group or weight
     with layouts.joined(config) as d, claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
+        trainer = None
         try:
             for cfg in configs.values():
                 attention_impl(cfg, d.device)
@@ -337,11 +338,11 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
         except DflashError as exc:
             log.error("stopped: %s", exc)
             raise
-        except OSError as exc:  # metrics.jsonl, trackers, the reports: writes of the run that no error wraps
-            if exc.errno not in ckpt.DISK_ERRNOS:
+        except Exception as exc:  # a full disk, a lost rank: the drafters checkpoint at the same steps
+            first = RunDir(next(iter(configs.values())).io.out)
+            error = known_fault(exc, config, first, d, trainer.step if trainer else 0)
+            if error is None:
                 raise
-            first = RunDir(next(iter(configs.values())).io.out)  # the drafters checkpoint at the same steps
-            error = ckpt.disk_error(exc, config.io.out, first.checkpoints)
             log.error("stopped: %s", error)
             raise error from None
         finally:

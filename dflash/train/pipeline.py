@@ -13,8 +13,11 @@ One micro-batch (each drafter rank j holds its share of the global micro-batch, 
     stage s                    stage 0 embeds the ids; stage s > 0 receives the hidden states [B,T,H]
                                (target dtype) from stage s-1; runs its layers, keeps its tapped layers'
                                outputs, sends the hidden states on to stage s+1 (all but the last stage)
-    stage s -> drafter j       its tapped layers' outputs, concatenated [B,T,n_s*H], when it holds any
-    drafter j                  concatenates them in layer order: exactly Target.context's result
+    stage s -> drafter j       its tapped layers' outputs, concatenated [B,T,n_s*H], when it holds any;
+                               then its stop status [1] (int64: 0, or the number of the signal it got)
+    drafter j                  concatenates them in layer order: exactly Target.context's result; a stage's
+                               signal becomes the drafter rank's own stop request, so SIGTERM or Ctrl-C to
+                               any rank stops the whole run the same way (checkpoint, then exit 143 / 130)
 The stages serve the drafter ranks in rank order, micro-batch after micro-batch; sends are
 torch.distributed point-to-point (isend/irecv, completed before the next share), nothing else is
 shared. When training ends (or stops) every drafter rank sends a header [0, 0]: the stages return.
@@ -23,6 +26,7 @@ shared. When training ends (or stops) every drafter rank sends a header [0, 0]: 
 from __future__ import annotations
 
 import logging
+import signal
 
 import torch
 import torch.distributed as dist
@@ -92,10 +96,16 @@ def _header(B: int, T: int) -> torch.Tensor:
     return torch.tensor([B, T], dtype=torch.long)
 
 
+def _status(stop) -> torch.Tensor:
+    """A stage's stop status: 0, or the number of the signal that set its StopFlag."""
+    return torch.tensor([signal.Signals[stop.reason].value if stop else 0], dtype=torch.long)
+
+
 def serve_stage(stage_target: StageTarget, rank_of_stage: list[int], drafter_ranks: list[int],
-                device: torch.device, dtype: torch.dtype) -> int:
-    """Stage rank's loop: serve every drafter rank's share of each micro-batch until all send [0, 0].
-    Returns the number of shares served."""
+                device: torch.device, dtype: torch.dtype, stop) -> int:
+    """Stage rank's loop: serve every drafter rank's share of each micro-batch until all send [0, 0]; with
+    each share goes this rank's stop status (`stop`: its StopFlag, set by a signal). Returns the number of
+    shares served."""
     s, target = stage_target.stage, stage_target.target
     H, last = target.hidden_size, stage_target.stage == len(rank_of_stage) - 1
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")  # where the wire tensors live
@@ -127,6 +137,8 @@ def serve_stage(stage_target: StageTarget, rank_of_stage: list[int], drafter_ran
             if taps is not None:
                 taps = taps.to(comm)
                 pending.append((taps, dist.isend(taps, dst=j)))
+            status = _status(stop).to(comm)
+            pending.append((status, dist.isend(status, dst=j)))
             served += 1
         for _tensor, work in pending:  # the tensor stays referenced until its send completed
             work.wait()
@@ -137,8 +149,9 @@ class PipelinedTarget:
     """What a drafter rank calls `target`: the target's embedding and LM head held here, its tapped
     hidden states (`context`) computed by the stage ranks. Every other attribute is the Target's."""
 
-    def __init__(self, target, roles: PipelineRoles, rank_of_stage: list[int], device: torch.device):
+    def __init__(self, target, roles: PipelineRoles, rank_of_stage: list[int], device: torch.device, stop):
         self._target, self._roles, self._rank_of_stage, self._device = target, roles, rank_of_stage, device
+        self._stop = stop  # this rank's StopFlag: a stage's signal is requested on it
         self._comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
         # the stages that send tapped states, in layer order (each sends its taps concatenated)
         self._senders = list(dict.fromkeys(roles.stage_of_layer(i) for i in target.layer_ids))
@@ -160,6 +173,14 @@ class PipelinedTarget:
             part = torch.empty(B, T, self._widths[s] * H, dtype=self._target.dtype, device=self._comm)
             dist.recv(part, src=self._rank_of_stage[s])
             parts.append(part)
+        status = torch.zeros(1, dtype=torch.long, device=self._comm)
+        for r in self._rank_of_stage:
+            dist.recv(status, src=r)
+            if int(status.item()) and not self._stop:
+                name = signal.Signals(int(status.item())).name
+                self._stop.request(name)
+                log.warning("%s received by target stage rank %d: finishing the current step, then writing a "
+                            "checkpoint", name, r)
         for work in sends:
             work.wait()
         return torch.cat(parts, dim=-1).to(self._device)
@@ -170,14 +191,15 @@ class PipelinedTarget:
             dist.send(_header(0, 0).to(self._comm), dst=r)
 
 
-def place(config, d, load, load_items):
+def place(config, d, load, load_items, stop):
     """Split this launch's ranks as --layout pipeline says and load each rank's share of the target.
 
     `load()` returns the whole Target on the CPU in the run's dtype; the ranks load one after another, so
     the host holds one whole copy at a time. `load_items(target)` reads the training data; every rank
     calls it (the tokenised cache is built by rank 0 behind a barrier of all ranks). A stage rank serves
     the drafter ranks until they finish and returns (None, None, None); a drafter rank returns
-    (PipelinedTarget, its Dist within the drafter ranks, the items).
+    (PipelinedTarget, its Dist within the drafter ranks, the items). `stop` is this rank's StopFlag: a
+    stage rank's goes to the drafter ranks with every share, where it sets theirs.
     """
     from dflash.distributed import Dist
     from dflash.io.fit import target_shape
@@ -199,10 +221,10 @@ def place(config, d, load, load_items):
         keep_layers(target, range(*roles.stages[stage]), d.device, embed=stage == 0, head=False)
         log.info("rank %d: target layers %d..%d", d.rank, roles.stages[stage][0], roles.stages[stage][1] - 1)
         served = serve_stage(StageTarget(target, roles, stage, d.device), rank_of_stage, roles.drafter_ranks,
-                             d.device, target.dtype)
+                             d.device, target.dtype, stop)
         log.info("rank %d: served %d micro-batch shares", d.rank, served)
         return None, None, None
     keep_layers(target, range(0), d.device, embed=True, head=True)
     mine = Dist(rank=d.rank, world_size=len(roles.drafter_ranks), local_rank=d.local_rank, device=d.device,
                 group=group)
-    return PipelinedTarget(target, roles, rank_of_stage, d.device), mine, items
+    return PipelinedTarget(target, roles, rank_of_stage, d.device, stop), mine, items

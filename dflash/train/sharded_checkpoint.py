@@ -12,11 +12,19 @@
 
 Every rank that holds drafter state writes into one hidden temp dir on a filesystem all of them see;
 rank 0 renames it into place and moves `latest` only after every rank finished (as in
-dflash.train.checkpoint, whose atomicity and pruning this reuses).
+dflash.train.checkpoint, whose atomicity and pruning this reuses). trainer_state.pt records the size and
+sha256 of every file in dcp/ ("dcp_files"): DCP itself checks nothing, so a flipped byte inside a shard
+would resume without an error into another drafter; the resume check (dflash.train.precheck) compares
+them before anything loads.
+
+A failed save ends the same way on every rank (each learns of the others' failure): disk errors say
+"free space", any other cause is named in one line per rank; a peer that went away mid-save is left to
+the training loop, which names the lost rank (dflash.train.faults).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 from pathlib import Path
@@ -28,10 +36,50 @@ from common.fsutil import atomic_write
 from dflash import distributed
 from dflash.errors import CheckpointError
 from dflash.train import checkpoint as ckpt
+from dflash.train import faults
 from dflash.train.layouts import CHECKPOINT_KIND, is_sharded
 
 DCP_DIR = "dcp"
 KIND_KEY = "checkpoint_kind"
+FILES_KEY = "dcp_files"
+
+
+def _checkpoint_exception():
+    """DCP's error type: a BaseException, which `except Exception` does not catch."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def file_digests(folder: Path) -> dict[str, dict]:
+    """{relative path: {"size", "sha256"}} of every file under `folder` (the shards and .metadata)."""
+    digests = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        digests[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": h.hexdigest()}
+    return digests
+
+
+def verify_files(checkpoint: Path, recorded: dict) -> str | None:
+    """What differs between dcp/ and the digests its trainer_state.pt recorded, or None when all match."""
+    folder = checkpoint / DCP_DIR
+    if not folder.is_dir():
+        return f"{folder} is missing"
+    found = file_digests(folder)
+    missing = sorted(set(recorded) - set(found))
+    if missing:
+        return f"{folder} lacks {', '.join(missing)}"
+    for name, want in recorded.items():
+        got = found[name]
+        if got["size"] != want["size"]:
+            return f"{folder / name} holds {got['size']} bytes, {want['size']} were written"
+        if got["sha256"] != want["sha256"]:
+            return f"{folder / name} changed since it was written (sha256 {got['sha256'][:12]}..., recorded " \
+                   f"{want['sha256'][:12]}...)"
+    return None
 
 
 def _options(full: bool):
@@ -77,32 +125,45 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     barrier()
+    error = None
     try:
         model_state, optim_state = get_state_dict(drafter, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR), process_group=group)
         plain = full_drafter(drafter, rank)
+        barrier()  # every rank's shards are on disk: rank 0 records them, then the rename makes them visible
         if rank == 0:
             save_drafter(plain, tmp / "drafter", dtype=None)
             state = {"format": ckpt.FORMAT_VERSION, "step": step, KIND_KEY: "dcp",
-                     "scheduler": scheduler.state_dict(), "rng": ckpt.capture_rng(), **train_state}
+                     "scheduler": scheduler.state_dict(), "rng": ckpt.capture_rng(),
+                     FILES_KEY: file_digests(tmp / DCP_DIR), **train_state}
             buffer = io.BytesIO()
             torch.save(state, buffer)
             atomic_write(tmp / ckpt.STATE_FILE, buffer.getvalue())
             config.to_json(tmp / "train_config.json")
-        barrier()  # every rank's shards are on disk before the rename makes the checkpoint visible
-        if rank == 0:
             ckpt.publish(tmp, final)
             ckpt._prune(root, keep)
-    except (OSError, RuntimeError) as exc:
-        raise CheckpointError(
-            f"writing checkpoint {final} failed on rank {rank}: {type(exc).__name__}: {exc}. The previous "
-            f"checkpoint is intact ({ckpt.read_latest(root) or 'none yet'}). Free disk space or point --out at "
-            "a larger disk that every rank sees, then rerun with --resume.") from exc
+    except (Exception, _checkpoint_exception()) as exc:
+        if faults.is_peer_lost(exc):  # the training loop names the lost rank; no agreement is possible now
+            raise
+        error = _save_error(exc, final, rank, root)
     finally:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
+    if distributed.any_rank(d, error is not None):  # every rank stops, whichever one failed
+        raise error or CheckpointError(
+            f"writing checkpoint {final} failed on another rank (rank 0 of the run names the cause). The previous "
+            f"checkpoint is intact ({ckpt.read_latest(root) or 'none yet'}); rerun with --resume once it is fixed.")
     return final
+
+
+def _save_error(exc: BaseException, final: Path, rank: int, root: Path) -> CheckpointError:
+    intact = f"The previous checkpoint is intact ({ckpt.read_latest(root) or 'none yet'})"
+    if faults.disk_cause(exc) is not None:
+        return CheckpointError(
+            f"writing checkpoint {final} failed on rank {rank}: {faults.summary(exc)}. {intact}. Free disk space or "
+            "point --out at a larger disk that every rank sees, then rerun with --resume.")
+    return CheckpointError(f"writing checkpoint {final} failed on rank {rank}: {faults.summary(exc)}. {intact}; "
+                           "rerun with --resume once the cause is fixed.")
 
 
 def load(checkpoint: Path, drafter, optimizer, group=None) -> None:
@@ -114,10 +175,12 @@ def load(checkpoint: Path, drafter, optimizer, group=None) -> None:
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, checkpoint_id=str(checkpoint / DCP_DIR), process_group=group)
-    except Exception as exc:  # a missing or damaged shard: name it and the way out
-        raise CheckpointError(f"cannot load the sharded state {checkpoint / DCP_DIR}: {type(exc).__name__}: "
-                              f"{exc}. Point {checkpoint.parent / 'latest'} at an older checkpoint, or start a "
-                              "new run without --resume.") from exc
+    except (Exception, _checkpoint_exception()) as exc:  # a missing or damaged shard: name it and the way out
+        if faults.is_peer_lost(exc):
+            raise
+        raise CheckpointError(f"cannot load the sharded state {checkpoint / DCP_DIR}: {faults.summary(exc)}. Point "
+                              f"{checkpoint.parent / 'latest'} at an older checkpoint, or start a new run without "
+                              "--resume.") from None
     set_state_dict(drafter, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 

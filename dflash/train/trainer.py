@@ -275,15 +275,17 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     layouts.check_layout(config)  # before any process group or weight
     with layouts.joined(config) as d, claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
+        trainer = None
         try:
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
             check_before_loading(config, data=items is None, target=target is None,  # seconds, not minutes
                                  world_size=d.world_size, device=d.device, card_gb_for_tests=card_gb_for_tests)
             if config.runtime.layout == "pipeline":  # stage ranks serve the target until the drafter ranks end
                 target, d, items = pipeline.place(config, d, lambda: target or load_target(config, d.device, cpu=True),
-                                                  lambda t: load_items(config, t) if items is None else items)
-                if target is None:
-                    return TrainResult(drafter=None, step=0)
+                                                  lambda t: load_items(config, t) if items is None else items, stop)
+                if target is None:  # a stage rank, done serving
+                    return TrainResult(drafter=None, step=0, stopped_by=stop.reason,
+                                       exit_code=stop.exit_code if stop else 0)
             if target is None:
                 target = load_target(config, d.device)
             if items is None:
@@ -303,11 +305,23 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
         except DflashError as exc:  # also in train.log, where a run's story is read afterwards
             log.error("stopped: %s", exc)
             raise
-        except OSError as exc:  # metrics.jsonl, trackers, the report: writes of the run that no error wraps
-            if exc.errno not in ckpt.DISK_ERRNOS:
+        except Exception as exc:
+            error = known_fault(exc, config, run, d, trainer.step if trainer else 0)
+            if error is None:
                 raise
-            error = ckpt.disk_error(exc, config.io.out, run.checkpoints)
             log.error("stopped: %s", error)  # in train.log too, when it can be written
             raise error from None
         finally:
             stop.uninstall()
+
+
+def known_fault(exc: Exception, config: TrainConfig, run: RunDir, d: distributed.Dist, step: int) -> DflashError | None:
+    """The error a user can act on for a fault no code below wrapped: a disk that refused a write
+    (metrics.jsonl, trackers, the report) or another rank that went away mid-collective; None otherwise."""
+    from dflash.train import faults
+
+    if isinstance(exc, OSError) and exc.errno in ckpt.DISK_ERRNOS:
+        return ckpt.disk_error(exc, config.io.out, run.checkpoints)
+    if d.enabled and faults.is_peer_lost(exc):
+        return faults.rank_lost(exc, d.rank, step, ckpt.read_latest(run.checkpoints))
+    return None
