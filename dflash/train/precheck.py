@@ -139,7 +139,9 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     root = RunDir(config.io.out).checkpoints
     last = latest_checkpoint(root)
     if last is None:
-        raise CheckpointError(f"--resume: no checkpoint in {root}. Drop --resume to start a new run there.")
+        raise CheckpointError(f"--resume: no checkpoint in {root}: the run stopped before its first one, so there "
+                              "is nothing to continue. Start it over with --overwrite instead of --resume (deletes "
+                              "its metrics and log), or give another --out.")
     try:
         read_drafter_config(last / "drafter")
     except DflashError as exc:

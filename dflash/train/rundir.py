@@ -78,11 +78,34 @@ class RunDir:
         return [p for p in named if p.exists()] + leftovers
 
     def stored_config(self) -> TrainConfig:
-        """The config the run stored here (for --resume)."""
+        """The config the run stored here (for --resume). Missing or damaged while a checkpoint holds its copy
+        (checkpoints/step-N/train_config.json): the message gives the command that puts the copy back."""
+        copy = self._checkpoint_config()
         if not self.config.exists():
+            if copy is not None:
+                raise ConfigError(f"--resume: {self.config} is missing, but checkpoint {copy.parent.name} keeps the "
+                                  f"run's config: cp {copy} {self.config}, then run again with --resume.")
             raise ConfigError(f"--resume: {self.config} does not exist, so there is no run to continue in "
                               f"{self.root}. Check --out, or drop --resume to start a new run.")
-        return TrainConfig.from_json(self.config)
+        try:
+            return TrainConfig.from_json(self.config)
+        except ConfigError as exc:
+            if copy is None:
+                raise
+            reason = str(exc.__cause__ or exc).split(". ")[0]
+            raise ConfigError(f"--resume: {self.config} is damaged ({reason}); checkpoint {copy.parent.name} keeps "
+                              f"the run's config: cp {copy} {self.config}, then run again with --resume.") from None
+
+    def _checkpoint_config(self) -> Path | None:
+        """The train_config.json of the checkpoint `latest` names (or of the newest one), if it is there."""
+        from dflash.train.checkpoint import read_latest
+
+        if not self.checkpoints.is_dir():
+            return None
+        names = [read_latest(self.checkpoints)] + sorted((p.name for p in self.checkpoints.glob("step-*")),
+                                                         reverse=True)
+        return next((self.checkpoints / n / "train_config.json" for n in names
+                     if n and (self.checkpoints / n / "train_config.json").is_file()), None)
 
     def stored_options(self) -> dict:
         """The stored config's options, flat ({} when there is no config.json)."""
@@ -137,10 +160,18 @@ class RunDir:
         if overwrite:
             return self.clear()
         if self.holds_run():
+            if not self._has_checkpoint():  # --resume would have nothing to continue from
+                raise ConfigError(f"--out {self.root} holds the start of a run that stopped before its first "
+                                  f"checkpoint ({self._describe()}), so there is nothing to --resume. Start it over "
+                                  "with --overwrite (deletes its metrics and log), or give another --out.")
             raise ConfigError(f"--out {self.root} already holds a run ({self._describe()}). Continue it with "
                               "--resume, start over with --overwrite (deletes that run's checkpoints, drafter, "
                               "metrics and log), or give another --out.")
         return []
+
+    def _has_checkpoint(self) -> bool:
+        return self.checkpoints.is_dir() and any(self.checkpoints.glob("step-*")) or self.drafter.exists() \
+            or self.drafters.exists()
 
     @contextmanager
     def claim(self, d, *, resume: bool = False, overwrite: bool = False):

@@ -108,8 +108,8 @@ class Trainer:
         last = ckpt.latest_checkpoint(root)
         if last is None:
             raise CheckpointError(
-                f"--resume: no checkpoint in {root}. Drop --resume to start a new run there (with --overwrite "
-                "when the directory holds the start of a run).")
+                f"--resume: no checkpoint in {root}: the run stopped before its first one, so there is nothing to "
+                "continue. Start it over with --overwrite instead of --resume, or give another --out.")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
         state = ckpt.load_state(last, map_location=self.d.device)
         sharded_checkpoint.restore(last, state, self.layout, self.drafter, self.optimizer, self.d)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,3 +167,48 @@ def test_a_second_process_into_the_same_out_is_refused_and_the_first_keeps_its_f
     assert RunDir(out).stored_config().optim.seed == 0  # the first run's config, not the second's
     log = RunDir(out).log.read_text()
     assert log.count("training 100000 steps") == 1 and "training 2 steps" not in log
+
+
+# --- each state of a run directory has one way forward, and no advice leads back to the same refusal -------
+def test_a_run_stopped_before_its_first_checkpoint_is_pointed_at_overwrite_both_ways(tiny, tmp_path, capsys):
+    """A retry without --resume is not sent to --resume, and --resume is not sent back: both say
+    --overwrite, which then starts the run."""
+    target, data = tiny
+    out = tmp_path / "run"
+    args = train_args(target, data, out, max_steps=3, save_every=0)
+    assert train_main(args + ["--max-steps", "1"]) == 0  # writes config.json, metrics and drafter ...
+    shutil.rmtree(RunDir(out).drafter)                     # ... then stands for a run killed before a checkpoint
+    shutil.rmtree(RunDir(out).checkpoints)
+    capsys.readouterr()
+    assert train_main(args) == 2
+    again = capsys.readouterr().err
+    assert "stopped before its first checkpoint" in again and "--overwrite" in again
+    assert "Continue it with --resume" not in again
+    assert train_main(args + ["--resume"]) == 3
+    resumed = capsys.readouterr().err
+    assert "--overwrite instead of --resume" in resumed and "Drop --resume" not in resumed
+    assert train_main(args + ["--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["damaged", "missing"])
+def test_a_damaged_or_missing_run_config_names_the_checkpoints_copy(tiny, tmp_path, capsys, damage):
+    """--resume without a readable config.json names the copy in the latest checkpoint and the command that
+    restores it; the command works."""
+    target, data = tiny
+    out = tmp_path / "run"
+    args = train_args(target, data, out, max_steps=2, save_every=1)
+    assert train_main(args) == 0
+    if damage == "damaged":
+        RunDir(out).config.write_text('{"model": {"block_size": 4,')
+    else:
+        RunDir(out).config.unlink()
+    capsys.readouterr()
+    assert train_main(args + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Delete it" not in err
+    command = err.split("cp ", 1)[1].split(", then")[0]
+    source, dest = command.split(" ")
+    assert Path(source) == RunDir(out).checkpoints / ckpt.step_dir_name(2) / "train_config.json"
+    assert Path(dest) == RunDir(out).config
+    shutil.copy(source, dest)
+    assert train_main(args + ["--resume", "--max-steps", "3"]) == 0
