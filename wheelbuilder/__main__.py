@@ -21,8 +21,20 @@ from . import variants
 from common.cli import DefaultsOnceHelpFormatter, add_version
 from common.cli import run_cli
 
-from .errors import FatalError
+from .errors import ConfigurationError, FatalError
 from common.fsutil import DIST_WHEELS, REPO_ROOT
+
+
+def _directory(option: str):
+    """The type of a directory option: an absolute path, fixed once here. pip compiles with its working
+    directory in the unpacked source, where a relative --out or --build-dir names another place (the wheel
+    lands in the source tree; pip reads the source path as a requirement)."""
+    def absolute(text: str) -> Path:
+        if not text.strip():
+            raise ConfigurationError(f"{option} is empty (an unset shell variable?); give a directory, or drop "
+                                     f"{option} for its default")
+        return Path(text).expanduser().absolute()
+    return absolute
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,10 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--arch", default=None, help="override the target's arches, e.g. 9.0,12.0+PTX")
     b.add_argument("--python", default=None,
                    help="build for this CPython (e.g. 3.12) instead of the toolkit's; a native build runs under it")
-    b.add_argument("--out", type=Path, default=None, help="output directory (default: dist/wheels/<target>)")
-    b.add_argument("--build-dir", type=Path, default=Path("/tmp/wheelbuilder"),
+    b.add_argument("--out", type=_directory("--out"), default=None,
+                   help="output directory (default: dist/wheels/<target>)")
+    b.add_argument("--build-dir", type=_directory("--build-dir"), default=Path("/tmp/wheelbuilder"),
                    help="fixed directory the sources are unpacked and compiled in (paths end up in the objects)")
-    b.add_argument("--log-dir", type=Path, default=None, help="where build logs go (default: the output directory)")
+    b.add_argument("--log-dir", type=_directory("--log-dir"), default=None,
+                   help="where build logs go (default: the output directory)")
     b.add_argument("--dry-run", action="store_true", help="check the toolchain and print the plan, build nothing")
 
     a = sub.add_parser("audit", help="audit built wheels against a target")

@@ -94,8 +94,8 @@ def clamp_mtimes(roots: list[Path], epoch: int) -> int:
 
 def default_cuda_candidates() -> list[Path]:
     candidates: list[Path] = []
-    if os.environ.get("CUDA_HOME"):
-        candidates.append(Path(os.environ["CUDA_HOME"]))
+    if os.environ.get("CUDA_HOME"):  # absolute: pip compiles in the unpacked source, not in this directory
+        candidates.append(Path(os.environ["CUDA_HOME"]).expanduser().absolute())
     pip_home = pip_cuda_home()
     if pip_home:
         candidates.append(pip_home)

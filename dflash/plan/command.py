@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from common.cli import DefaultsOnceHelpFormatter, add_version
 
@@ -40,7 +41,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--sliding-window", type=int, default=0)
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
-    p.add_argument("--target-stages", type=int, default=0, help="--layout pipeline: stage ranks (0: half, rounded up)")
+    p.add_argument("--target-stages", type=int, default=0, help="--layout pipeline: stage ranks (0: every split tried)")
     p.add_argument("--micro-batches", type=int, default=4, help="--layout pipeline: micro-batches per step in flight")
     p.add_argument("--headroom-gb", type=float, default=0.0, help="memory to leave free on each card")
     p.add_argument("--table", action="store_true", help=f"every named card x {', '.join(map(str, TABLE_GPUS))} GPUs: "
@@ -50,17 +51,40 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Each whole-number flag's least value and what it counts: a refusal names the flag, the value and both.
+AT_LEAST = {
+    "gpus": (1, "the GPUs (processes) in the run"),
+    "batch_size": (1, "the sequences per micro-batch per rank"),
+    "seq_len": (2, "the tokens per sequence"),
+    "anchors": (1, "the anchors (blocks) per sequence"),
+    "block_size": (2, "the tokens per block (its anchor and those drafted after it)"),
+    "drafter_layers": (1, "the drafter's decoder layers"),
+    "sliding_window": (0, "the sliding window (0: every drafter layer attends to the whole context)"),
+    "target_stages": (0, "the stage ranks of --layout pipeline (0: every split tried)"),
+    "micro_batches": (1, "the micro-batches in flight per step of --layout pipeline"),
+}
+
+
 def _check(args) -> None:
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus {args.gpus}: need at least 1")
-    for name in ("batch_size", "seq_len", "anchors", "drafter_layers"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    """Refuse nonsense flags by name before any work (no target is read, no model built)."""
+    defaults = plan_parser()
+    for name, (least, what) in AT_LEAST.items():
+        value = getattr(args, name)
+        if value < least:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {value}: {what} must be at least {least}; pass {flag} {least} or more "
+                              f"(default {defaults.get_default(name)})")
     if args.anchors > args.seq_len // 2:
         raise ConfigError(f"--anchors {args.anchors} with --seq-len {args.seq_len}: anchors sit in the supervised "
                           f"tokens, at most about half of a sequence; use --anchors {args.seq_len // 2} or fewer")
-    if args.headroom_gb < 0:
-        raise ConfigError(f"--headroom-gb {args.headroom_gb}: must be 0 or more")
+    if args.target_stages and not args.table and args.target_stages >= args.gpus:
+        fix = (f"pass --target-stages {args.gpus - 1} or fewer (0 tries every split)" if args.gpus > 1
+               else "leave --target-stages out (--layout pipeline needs --gpus 2 or more)")
+        raise ConfigError(f"--target-stages {args.target_stages} with --gpus {args.gpus}: --layout pipeline needs a "
+                          f"drafter rank beside its stage ranks; {fix}")
+    if not (math.isfinite(args.headroom_gb) and args.headroom_gb >= 0):
+        raise ConfigError(f"--headroom-gb {args.headroom_gb}: the memory to leave free on each card must be 0 or "
+                          "more GB; pass --headroom-gb 0 (the default) or a few GB")
     if not args.table and not args.card and args.card_gb is None:
         raise ConfigError("name the card: --card h200 | rtx-pro-6000 | rtx-5090, or --card-gb N (its memory in GB); "
                           "or --table for every named card")
@@ -118,6 +142,10 @@ def _table(target, drafter, mb, args) -> tuple[str, list[dict]]:
 def main(argv) -> int:
     args = plan_parser().parse_args(argv)
     _check(args)
+    card = card_from_args(args.card, args.card_gb) if args.card or args.card_gb is not None else None
+    if card and args.headroom_gb >= card.memory_gb:
+        raise ConfigError(f"--headroom-gb {args.headroom_gb:g} leaves nothing of the {card.memory_gb:g} GB of "
+                          f"{card.name}; pass less than {card.memory_gb:g}")
     target = target_shape(args.target)
     drafter = drafter_shape(target, layers=args.drafter_layers, block_size=args.block_size,
                             sliding_window=args.sliding_window)
@@ -126,7 +154,6 @@ def main(argv) -> int:
         text, rows = _table(target, drafter, mb, args)
         print(json.dumps({"micro_batch": vars(mb), "rows": rows}, indent=2) if args.json else text)
         return 0
-    card = card_from_args(args.card, args.card_gb)
     layouts = (args.layout,) if args.layout else LAYOUTS
     options, best = plan(target, drafter, mb, card, args.gpus, layouts=layouts, precision=args.precision,
                          headroom_gb=args.headroom_gb, target_stages=args.target_stages,

@@ -13,6 +13,7 @@ memory; `headroom_gb` keeps a margin for what the model does not see (other proc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dflash.errors import ConfigError, TrainError
@@ -50,6 +51,9 @@ class Option:
 
 def card_from_args(name: str | None, memory_gb: float | None) -> Card:
     """--card NAME, or --card-gb N (a card of that memory with the RTX PRO 6000's speed and links)."""
+    if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
+        raise ConfigError(f"--card-gb {memory_gb}: a card's memory must be a positive number of GB; pass what "
+                          "torch.cuda.mem_get_info reports (a '96 GB' card: about 102)")
     if name:
         key = name.lower()
         if key not in CARDS:
@@ -60,8 +64,6 @@ def card_from_args(name: str | None, memory_gb: float | None) -> Card:
                                                    card.host_gbps, card.host_mem_gbps)
     if memory_gb is None:
         raise ConfigError("name the card: --card h200 | rtx-pro-6000 | rtx-5090, or --card-gb N (its memory in GB)")
-    if not memory_gb > 0:
-        raise ConfigError(f"--card-gb {memory_gb}: a card's memory must be a positive number of GB")
     base = CARDS["rtx-pro-6000"]
     return Card(f"{memory_gb:g} GB card", memory_gb, base.bf16_tflops, base.link_gbps, base.host_gbps,
                 base.host_mem_gbps)

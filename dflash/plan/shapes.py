@@ -13,6 +13,7 @@ architecture is counted as exactly as the ones known today.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,46 @@ def _build_on_meta(config):
         return AutoModelForCausalLM.from_config(config)
 
 
+# The config.json keys the memory model sizes its terms from, each a count of at least 1 (transformers builds a
+# model of width 0 without a word, and the plan of it is nonsense: a 0.8 GB peak, millions of tokens/s).
+SHAPE_KEYS = {"hidden_size": "width", "num_hidden_layers": "decoder layer count", "vocab_size": "vocabulary size",
+              "intermediate_size": "MLP width", "num_attention_heads": "attention head count",
+              "num_key_value_heads": "key/value head count", "head_dim": "attention head width"}
+
+
+def _is_count(value) -> bool:
+    """A whole number >= 1, or a non-empty list of them (a per-layer value, as Gemma 3n's intermediate_size)."""
+    if isinstance(value, list):
+        return bool(value) and all(map(_is_count, value))
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_counts(file: Path, values: dict, prefix: str = "") -> None:
+    """TargetError naming the first of SHAPE_KEYS in `values` that is not a count (absent: the architecture's
+    default, left to transformers)."""
+    for key, what in SHAPE_KEYS.items():
+        value = values.get(key)
+        if value is not None and not _is_count(value):
+            raise TargetError(f'{file}: "{prefix}{key}" is {json.dumps(value)}; the target\'s {what} must be a whole '
+                              "number of at least 1. Restore the config.json that came with the model (huggingface-cli "
+                              "download ORG/NAME config.json --local-dir DIR)")
+
+
+def _check_config_counts(path: Path) -> None:
+    """config.json's SHAPE_KEYS, and its text_config's, checked before transformers reads it (it would fail
+    on some with a message that names no key, and accept others). A file that is no JSON object is left to
+    read_target_config, which names that fault."""
+    file = path / "config.json"
+    try:
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict):
+        _check_counts(file, data)
+        if isinstance(data.get("text_config"), dict):
+            _check_counts(file, data["text_config"], "text_config.")
+
+
 def target_shape_from_dir(path) -> TargetShape:
     """The shape of the model directory `path` from its config.json alone (TargetError naming the fix)."""
     from dflash.model.target import read_target_config
@@ -95,7 +136,10 @@ def target_shape_from_dir(path) -> TargetShape:
     if not path.is_dir():
         raise TargetError(f"--target {path}: no such directory; pass the local model directory that holds "
                           "config.json (or a preset: --target 27b or --target demo)")
+    _check_config_counts(path)
     config = read_target_config(path)  # TargetError for a missing or damaged config.json
+    text = config.get_text_config()  # the same counts under an architecture's own names (GPT-2's n_embd, ...)
+    _check_counts(path / "config.json", {key: getattr(text, key, None) for key in SHAPE_KEYS})
     try:
         model = _build_on_meta(config)
     except Exception as exc:  # an architecture transformers cannot build

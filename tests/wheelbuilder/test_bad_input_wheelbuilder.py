@@ -197,6 +197,10 @@ CASES = [
          ("lies below", "which is a file")),
     Case("build-dir-is-a-file", lambda t: build()(t)[:6] + [str(file_with("bd", b"x")(t))], 2,
          ("--build-dir", "is a file")),
+    Case("out-empty", lambda t: ["build", "--target", TARGET, "--out", "", "--dry-run"], 2,
+         ("--out is empty", "unset shell variable", "drop --out for its default")),
+    Case("build-dir-empty", lambda t: ["build", "--target", TARGET, "--build-dir", " ", "--dry-run"], 2,
+         ("--build-dir is empty",)),
     Case("audit-renamed-wheel", audit(renamed), 6, ("file name does not match the wheel's metadata", "renamed",
                                                     "causal_conv1d-1.7.0+cu130torch2.11sm120-")),
     Case("diff-bad-deflate", diff(damage_deflate), 6, ("is damaged", "cannot be read", "verify --dir")),
@@ -280,6 +284,49 @@ def test_a_directory_in_use_is_refused(locked, tmp_path, monkeypatch, capsys):
         new = {p for p in snapshot(tmp_path) - before if not (p.endswith(".build.lock") or Path(p).is_dir())}
         assert new == set() and not list(tmp_path.rglob("setup.py"))
         assert (lock_dir / ".build.lock").read_text().strip() == str(os.getpid())
+
+
+@pytest.mark.parametrize("bd", ["bd", "{tmp}/bd"], ids=["all-relative", "out-and-log-dir-relative"])
+def test_relative_directories_are_resolved_before_the_build(bd, tmp_path, monkeypatch, capsys):
+    """`build --out out --build-dir bd --log-dir logs` run in tmp: pip, which runs in the unpacked source, gets
+    absolute paths, and the wheel lands in tmp/out (relative ones named places under the source tree: the
+    wheel went there and the build failed with "expected one wheel, found []", or pip read a relative
+    --build-dir's source path as an "Invalid requirement")."""
+    from types import SimpleNamespace
+
+    from wheelbuilder import audit, build as build_module
+    from wheelbuilder.errors import BuildError
+
+    _double(monkeypatch)
+    calls = []
+
+    def pip_wheel(cmd, *, cwd, **_):
+        """pip wheel -w DIR SRC as far as paths go: each relative to pip's own working directory."""
+        calls.append((cwd, cmd[cmd.index("-w") + 1], cmd[-1]))
+        if not (Path(cwd) / cmd[-1] / "setup.py").is_file():
+            raise BuildError(f"ERROR: Invalid requirement: '{cmd[-1]}'")
+        make_wheel(Path(cwd) / cmd[cmd.index("-w") + 1])
+
+    monkeypatch.setattr(build_module, "run", pip_wheel)
+    monkeypatch.setattr(audit, "audit_wheel", lambda *_: SimpleNamespace(arches={}))  # make_wheel has no module
+    monkeypatch.chdir(tmp_path)
+    code = main(["build", "--target", TARGET, "--out", "out", "--build-dir", bd.format(tmp=tmp_path), "--log-dir", "logs"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert calls and all(Path(p).is_absolute() for p in calls[0]), calls
+    wheels = sorted(tmp_path.rglob("*.whl"))
+    assert [w.parent for w in wheels] == [tmp_path / "out"], wheels
+    assert (tmp_path / "out" / "manifest.json").is_file() and (tmp_path / "logs" / "causal-conv1d.log").is_file()
+
+
+def test_a_relative_cuda_home_is_made_absolute(tmp_path, monkeypatch):
+    """CUDA_HOME=cuda: nvcc is found from here, so the compile (in the unpacked source) must get the full path."""
+    from wheelbuilder.toolkit import find_cuda_home
+
+    fake_cuda(tmp_path, executable=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_HOME", "cuda")
+    assert find_cuda_home() == tmp_path / "cuda"
 
 
 def _alive(pid: int) -> bool:

@@ -1,4 +1,5 @@
-"""`dflash plan`: its text and JSON, and one clear message for each bad input."""
+"""`dflash plan`: its text and JSON, and one clear message for each bad input (tests/support/bad_input.py:
+the exit code, the key words, no traceback), each bad flag or config.json count refused before any work."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import pytest
 
 from dflash.cli import main
+from dflash.plan import command, shapes
+from tests.support.bad_input import assert_clear_failure
 from tests.support.dflash_train_fixtures import save_chat_target
 
 
@@ -38,19 +41,98 @@ def test_nothing_fits_exits_1(capsys):
     assert "nothing fits" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, code, message", [
-    (["--target", "27b", "--card", "a100"], 2, "--card a100: unknown card; choose one of h200, rtx-pro-6000, rtx-5090"),
-    (["--target", "27b"], 2, "name the card: --card h200 | rtx-pro-6000 | rtx-5090, or --card-gb N"),
-    (["--target", "27b", "--card-gb", "-3"], 2, "--card-gb -3.0: a card's memory must be a positive number of GB"),
-    (["--target", "27b", "--card", "h200", "--gpus", "0"], 2, "--gpus 0: need at least 1"),
-    (["--target", "27b", "--card", "h200", "--anchors", "4096"], 2,
-     "--anchors 4096 with --seq-len 4096: anchors sit in the supervised tokens"),
-    (["--target", "/nonexistent/model", "--card", "h200"], 5, "no such directory and not a preset"),
+@pytest.mark.parametrize("argv, code, words", [
+    (["--target", "27b", "--card", "a100"], 2, ("--card a100: unknown card; choose one of h200, rtx-pro-6000, rtx-5090",)),
+    (["--target", "27b"], 2, ("name the card: --card h200 | rtx-pro-6000 | rtx-5090, or --card-gb N",)),
+    (["--target", "/nonexistent/model", "--card", "h200"], 5, ("no such directory and not a preset",)),
 ])
-def test_bad_input_names_the_problem_and_the_fix(argv, code, message, capsys):
-    assert main(["plan", *argv]) == code
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+def test_bad_input_names_the_problem_and_the_fix(argv, code, words, capsys):
+    assert_clear_failure(main(["plan", *argv]), code, capsys.readouterr().err, words)
+
+
+# A flag with a value no run can have: (flags after --target 27b, the words of the refusal), exit 2 each.
+BAD_FLAGS = [
+    pytest.param(["--card", "h200", "--gpus", "2", "--micro-batches", "0"],
+                 ("--micro-batches 0", "must be at least 1", "pass --micro-batches 1 or more"), id="micro-batches-0"),
+    pytest.param(["--card", "h200", "--gpus", "4", "--layout", "pipeline", "--target-stages", "-2"],
+                 ("--target-stages -2", "must be at least 0", "pass --target-stages 0 or more"), id="target-stages-neg"),
+    pytest.param(["--card", "h200", "--gpus", "4", "--target-stages", "4"],
+                 ("--target-stages 4 with --gpus 4", "a drafter rank", "--target-stages 3 or fewer"),
+                 id="target-stages-leave-no-drafter-rank"),
+    pytest.param(["--card", "h200", "--gpus", "0"], ("--gpus 0", "must be at least 1", "pass --gpus 1"), id="gpus-0"),
+    pytest.param(["--card", "h200", "--batch-size", "0"], ("--batch-size 0", "pass --batch-size 1"), id="batch-size-0"),
+    pytest.param(["--card", "h200", "--seq-len", "1"], ("--seq-len 1", "at least 2"), id="seq-len-1"),
+    pytest.param(["--card", "h200", "--anchors", "-1"], ("--anchors -1", "at least 1"), id="anchors-neg"),
+    pytest.param(["--card", "h200", "--anchors", "4096"], ("--anchors 4096 with --seq-len 4096", "--anchors 2048"),
+                 id="anchors-over-half"),
+    pytest.param(["--card", "h200", "--block-size", "1"], ("--block-size 1", "at least 2", "default 16"),
+                 id="block-size-1"),
+    pytest.param(["--card", "h200", "--drafter-layers", "0"], ("--drafter-layers 0", "at least 1"),
+                 id="drafter-layers-0"),
+    pytest.param(["--card", "h200", "--sliding-window", "-8"], ("--sliding-window -8", "at least 0"),
+                 id="sliding-window-neg"),
+    pytest.param(["--card-gb", "-3"], ("--card-gb -3.0: a card's memory must be a positive number of GB",
+                                       "mem_get_info"), id="card-gb-neg"),
+    pytest.param(["--card", "h200", "--card-gb", "0"], ("--card-gb 0.0", "positive number of GB"),
+                 id="card-gb-0-with-card"),
+    pytest.param(["--card-gb", "inf"], ("--card-gb inf", "positive number of GB"), id="card-gb-inf"),
+    pytest.param(["--card", "h200", "--headroom-gb", "-1"], ("--headroom-gb -1.0", "0 or more GB"), id="headroom-neg"),
+    pytest.param(["--card", "h200", "--headroom-gb", "nan"], ("--headroom-gb nan", "0 or more GB"), id="headroom-nan"),
+    pytest.param(["--card", "rtx-5090", "--headroom-gb", "40"], ("--headroom-gb 40", "34.2 GB", "less than 34.2"),
+                 id="headroom-over-the-card"),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD_FLAGS)
+def test_a_bad_flag_is_refused_by_name_before_the_target_is_read(argv, words, monkeypatch, capsys):
+    read = []
+    monkeypatch.setattr(command, "target_shape", lambda *a, **k: read.append(a))
+    assert_clear_failure(main(["plan", "--target", "27b", *argv]), 2, capsys.readouterr().err, words)
+    assert not read, "the flags were checked only after the target was read"
+
+
+# A small Qwen3 target's config.json: no weights, the planner reads nothing else.
+TINY_CONFIG = {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 4, "vocab_size": 320,
+               "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def write_config(directory, config: dict):
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_tiny_config_json_plans(tmp_path, capsys):
+    """The config the rows below break one key of is sound: each refusal is that key's."""
+    target = write_config(tmp_path / "target", TINY_CONFIG)
+    assert main(["plan", "--target", str(target), "--card-gb", "8", "--seq-len", "256", "--anchors", "16",
+                 "--layout", "replicate"]) == 0
+    assert "hidden 32, vocabulary 320" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, words", [
+    pytest.param({"hidden_size": 0}, ('"hidden_size" is 0', "width"), id="hidden-size-0"),
+    pytest.param({"hidden_size": -4}, ('"hidden_size" is -4',), id="hidden-size-neg"),
+    pytest.param({"hidden_size": "32"}, ('"hidden_size" is "32"', "whole number"), id="hidden-size-string"),
+    pytest.param({"hidden_size": True}, ('"hidden_size" is true',), id="hidden-size-bool"),
+    pytest.param({"num_hidden_layers": 0}, ('"num_hidden_layers" is 0', "decoder layer count"), id="layers-0"),
+    pytest.param({"vocab_size": 0}, ('"vocab_size" is 0', "vocabulary size"), id="vocab-0"),
+    pytest.param({"intermediate_size": 0}, ('"intermediate_size" is 0', "MLP width"), id="intermediate-0"),
+    pytest.param({"num_attention_heads": 0}, ('"num_attention_heads" is 0',), id="heads-0"),
+    pytest.param({"num_key_value_heads": -2}, ('"num_key_value_heads" is -2',), id="kv-heads-neg"),
+    pytest.param({"head_dim": 0}, ('"head_dim" is 0',), id="head-dim-0"),
+    pytest.param({"model_type": "qwen3_5", "text_config": {**TINY_CONFIG, "model_type": "qwen3_5_text",
+                                                           "hidden_size": 0}},
+                 ('"text_config.hidden_size" is 0',), id="text-config-hidden-size-0"),
+])
+def test_a_nonsense_size_in_config_json_is_refused_by_name(change, words, tmp_path, monkeypatch, capsys):
+    built = []
+    monkeypatch.setattr(shapes, "_build_on_meta", lambda config: built.append(config))
+    target = write_config(tmp_path / "target", {**TINY_CONFIG, **change})
+    code = main(["plan", "--target", str(target), "--card", "h200"])
+    assert_clear_failure(code, 5, capsys.readouterr().err,
+                         (str(target / "config.json"), *words, "at least 1", "Restore the config.json"))
+    assert not built, "the model was built from the nonsense config"
 
 
 def test_a_directory_without_config_json(tmp_path, capsys):
