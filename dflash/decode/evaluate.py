@@ -127,27 +127,56 @@ def acceptance_per_position(histogram: list[int]) -> list[float]:
     return [round(reached[k + 1] / reached[k], 4) if reached[k] else 0.0 for k in range(len(histogram) - 1)]
 
 
+def check_for_eval(target_dir, drafter_dir) -> tuple[DrafterConfig, list[str]]:
+    """(the drafter's config, warnings) from config.json and the safetensors headers alone: no weight is
+    read. Raises DrafterError for a drafter this project cannot run on this target (config.json, tensor
+    names, shapes and dtypes; its fit to the target's config.json: hidden size, layer count, tapped ids,
+    vocabulary). Warns where an engine would not serve it: a tapped id on the target's last layer, which
+    vLLM captures as this evaluation does but SGLang refuses (dflash.io.engines.last_layer_problem), so the
+    numbers hold for vLLM only; evaluating such a drafter (a third party's, for vLLM) is still useful."""
+    from dflash.io.drafter import read_drafter_config
+    from dflash.io.engines import last_layer_problem
+    from dflash.io.fit import check_fits_target, target_shape
+
+    config = read_drafter_config(drafter_dir)
+    shape = target_shape(target_dir)
+    check_fits_target(config, shape, f"the drafter in {drafter_dir}")
+    warnings = []
+    if problem := last_layer_problem(config.target_layer_ids, shape.num_layers):
+        warnings.append(f"the drafter in {drafter_dir} taps {config.target_layer_ids}, which SGLang cannot serve: "
+                        f"{problem}. vLLM serves it (it captures the last layer's output, as this evaluation does), "
+                        "so these numbers hold for vLLM only")
+    return config, warnings
+
+
+def load_checked(target_dir, drafter_dir, config: DrafterConfig, device="cpu", target_dtype=torch.float32):
+    """(Target, Drafter) for a drafter `check_for_eval` passed as `config`: the target tapped at the drafter's
+    layers with its mask token, checked against the loaded target (its tokenizer's mask token, fingerprint),
+    then the drafter's weights (checked finite)."""
+    from dflash.io.drafter import load_drafter
+    from dflash.io.fit import check_fits_target
+    from dflash.model.target import Target
+
+    target = Target.load(target_dir, device=device, dtype=target_dtype, layer_ids=config.target_layer_ids,
+                         mask_token=config.mask_token_id)
+    check_fits_target(config, target, f"the drafter in {drafter_dir}")
+    return target, load_drafter(drafter_dir, device=device).eval()
+
+
 def load_for_eval(target_dir, drafter_dir, device="cpu", target_dtype=torch.float32):
     """(Target, Drafter) for evaluating the drafter in `drafter_dir` (the reference DFlash layout: one
     written by dflash-train, or a published one) on the target in `target_dir`.
 
-    Everything is checked before a weight is read: the drafter's config.json and tensor names, then
-    its fit to the target's config.json (hidden size, layer count, tapped ids, vocabulary, mask token);
-    the target is then tapped at the drafter's layers with its mask token. A drafter that names the
-    target it was trained for (target_fingerprint) must name this one. On a CPU, bf16 weights are
-    upcast to float32 (dflash.drafter_io.load_drafter says so in the log).
+    Everything is checked before a weight is read (`check_for_eval`, its warnings logged): the drafter's
+    config.json, tensor names and dtypes, then its fit to the target's config.json (hidden size, layer
+    count, tapped ids, vocabulary, mask token); the target is then tapped at the drafter's layers with its
+    mask token. A drafter that names the target it was trained for (target_fingerprint) must name this
+    one. On a CPU, bf16 weights are upcast to float32 (dflash.io.drafter.load_drafter says so in the log).
     """
-    from dflash.io.drafter import load_drafter, read_drafter_config
-    from dflash.io.fit import check_fits_target, target_shape
-    from dflash.model.target import Target
-
-    config = read_drafter_config(drafter_dir)
-    where = f"the drafter in {drafter_dir}"
-    check_fits_target(config, target_shape(target_dir), where)
-    target = Target.load(target_dir, device=device, dtype=target_dtype, layer_ids=config.target_layer_ids,
-                         mask_token=config.mask_token_id)
-    check_fits_target(config, target, where)
-    return target, load_drafter(drafter_dir, device=device).eval()
+    config, warnings = check_for_eval(target_dir, drafter_dir)
+    for warning in warnings:
+        log.warning("%s", warning)
+    return load_checked(target_dir, drafter_dir, config, device=device, target_dtype=target_dtype)
 
 
 def untrained_drafter(target, config: DrafterConfig | None = None, seed: int = 0, **overrides) -> Drafter:

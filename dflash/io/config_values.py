@@ -28,16 +28,19 @@ def as_int(value, key: str, where: Path, minimum: int | None = None) -> int:
     return number
 
 
-def as_float(value, key: str, where: Path) -> float:
+def as_float(value, key: str, where: Path, positive: bool = False) -> float:
+    """`value` of config key `key` as a finite float (> 0 with `positive`: an RMSNorm epsilon, a RoPE base);
+    anything else is a DrafterError naming the key."""
     if not isinstance(value, bool) and isinstance(value, (int, float, str)):
         try:
             number = float(value)
         except (ValueError, OverflowError):
             pass
         else:
-            if math.isfinite(number):
+            if math.isfinite(number) and (number > 0 or not positive):
                 return number
-    raise DrafterError(f"{where}: {key} is {value!r}; it must be a finite number")
+    need = "a finite number > 0" if positive else "a finite number"
+    raise DrafterError(f"{where}: {key} is {value!r}; it must be {need}")
 
 
 def as_int_list(value, key: str, where: Path) -> list[int]:

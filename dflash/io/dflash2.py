@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash.errors import DrafterError
+from dflash.io.config_values import as_float
 from dflash.model.dflash2 import DFLASH2_KEYS, DFlash2Config
 from dflash.model.drafter import DrafterConfig
 
@@ -47,7 +48,7 @@ def parse_keys(dflash: dict, where: Path) -> dict:
         values[key] = value
     for key, default in (("output_multiplier", 1.0), ("final_logit_softcapping", None)):
         value = dflash.get(key, default)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise DrafterError(f"{where}: dflash_config.{key} is {value!r}; it must be a number")
+        if value is not None:  # a finite number; DFlash2Config asks for > 0
+            value = as_float(value, f"dflash_config.{key}", where)
         values[key] = None if key == "final_logit_softcapping" and not value else value
     return values

@@ -29,11 +29,14 @@ layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.{q,k}_norm, layers.N.mlp.{
 (all `.weight`): exactly the module tree of `dflash.model.Drafter`, so `expected_tensors` asks the model.
 No embedding and no LM head: the target's are used.
 
-Reading checks everything before a weight is loaded: the config (model type, architecture, DFlash keys,
+Reading checks everything it can before a weight is loaded: the config (model type, architecture, DFlash keys,
 and every other key: `unsupported_keys` refuses, by name, an unknown key and one whose value makes an
-engine compute something else), then the tensor names and shapes from the safetensors
-header, then (dflash.io.fit: `check_fits_target`) the target. Every failure is a DrafterError naming the problem and
-the fix. (`dflash.drafter_legacy` converts the project's older "dflash-drafter/1" directories.)
+engine compute something else; every size >= 1, block_size >= 2, rms_norm_eps and rope_theta > 0, each
+copy of a key written twice equal), then the tensor names, shapes and dtypes from the safetensors header
+(one dtype for all: bfloat16, or float32 as training checkpoints keep it; config.json's dtype names it),
+then (dflash.io.fit: `check_fits_target`) the target. Loading then refuses a NaN or infinite weight,
+naming the tensor. Every failure is a DrafterError naming the problem and the fix. (`dflash.io.legacy`
+converts the project's older "dflash-drafter/1" directories.)
 """
 
 from __future__ import annotations
@@ -52,18 +55,16 @@ from dflash.io.config_keys import DFLASH_KEYS, unsupported_keys
 from dflash.io.config_values import as_float as _float, as_int as _int, as_int_list as _int_list, as_mapping as _mapping
 from dflash.model.dflash2 import DFLASH2_KEYS, DFlash2Config, build_drafter
 from dflash.model.drafter import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig
+# the file names and dtype tables live beside the tensor checks; other modules read them from here too
+from dflash.io.drafter_tensors import CONFIG_NAME, DTYPE_NAMES, DTYPES, WEIGHTS_NAME, expected_tensors  # noqa: F401
+from dflash.io.drafter_tensors import check_declared_dtype, check_dtypes, check_finite, check_tensors, stored_tensors
 
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 MODEL_TYPE = "qwen3"
 ARCHITECTURE = "DFlashDraftModel"
 LEGACY_FORMAT = "dflash-drafter/1"  # the project's own layout before this one
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 MODEL_FILE = "modeling_dflash.py"  # dflash/io/remote_code.py, for AutoModel(..., trust_remote_code=True)
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
@@ -110,12 +111,6 @@ def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16)
     return data
 
 
-def expected_tensors(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of a drafter of this shape -> its shape (the module tree, built on `meta`)."""
-    with torch.device("meta"):
-        return {name: tuple(t.shape) for name, t in build_drafter(config).state_dict().items()}
-
-
 def remote_code_source() -> str:
     """modeling_dflash.py: the self-contained model class config.json's auto_map names."""
     from dflash.io import remote_code
@@ -157,6 +152,8 @@ def read_json(path: Path) -> dict:
 
 
 def _rope_theta(data: dict, where: Path) -> float:
+    """The RoPE base, > 0. A config may carry it twice (rope_parameters.rope_theta, which transformers 5 and
+    the engines read, and the top-level rope_theta, which older readers do): the copies must agree."""
     rope = _mapping(data.get("rope_parameters"), "rope_parameters", where)
     scaling = _mapping(data.get("rope_scaling"), "rope_scaling", where)
     for name, params in (("rope_parameters", rope), ("rope_scaling", scaling)):
@@ -164,12 +161,27 @@ def _rope_theta(data: dict, where: Path) -> float:
         if kind != "default":
             raise DrafterError(f"{where}: {name} has rope_type {kind!r}; this project's drafter implements plain "
                                "RoPE only (rope_type 'default', as every published DFlash drafter uses)")
+    copies = {key: value for key, value in (("rope_parameters.rope_theta", rope.get("rope_theta")),
+                                            ("rope_scaling.rope_theta", scaling.get("rope_theta")),
+                                            ("rope_theta", data.get("rope_theta"))) if value is not None}
+    thetas = {key: _float(value, key, where, positive=True) for key, value in copies.items()}
+    if len(set(thetas.values())) > 1:
+        raise DrafterError(f"{where}: {' but '.join(f'{k} is {v!r}' for k, v in copies.items())}; transformers 5 "
+                           "and the engines read rope_parameters.rope_theta, older readers rope_theta, so they would "
+                           "rotate by different bases: set every copy to the base the drafter was trained with "
+                           "(its target's)")
     # vLLM falls back to 1e6 (set_default_rope_theta); the key is present in every published config.
-    return _float(rope.get("rope_theta", data.get("rope_theta", 1_000_000.0)), "rope_theta", where)
+    return next(iter(thetas.values()), 1_000_000.0)
 
 
 def _layer_types(data: dict, n_layers: int, where: Path) -> tuple[list[str], int | None]:
     window = data.get("sliding_window")
+    if data.get("use_sliding_window") and window is not None and (
+            not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise DrafterError(f"{where}: sliding_window is {window!r} while use_sliding_window is true; it must be the "
+                           "window in tokens (an integer >= 1), or null with use_sliding_window false")
+    start = data.get("max_window_layers")
+    start = n_layers if start is None else _int(start, "max_window_layers", where, minimum=0)
     if "layer_types" in data and data["layer_types"] is not None:
         types = data["layer_types"]
         if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
@@ -177,7 +189,6 @@ def _layer_types(data: dict, n_layers: int, where: Path) -> tuple[list[str], int
                                f"each one of {list(LAYER_TYPES)}")
     else:  # Qwen3Config's own default: sliding from max_window_layers on, when a window is in use
         in_use = bool(data.get("use_sliding_window")) and window is not None
-        start = _int(data.get("max_window_layers", n_layers), "max_window_layers", where)
         types = [SLIDING if in_use and i >= start else FULL for i in range(n_layers)]
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown:
@@ -241,30 +252,42 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
     def size(key: str, value=None, minimum: int = 1) -> int:
         return _int(data[key] if value is None else value, key, where, minimum)
 
+    def given(key: str, default):  # a default for an absent (or null) key only: 0 is a bad value, not "unset"
+        return default if data.get(key) is None else data[key]
+
+    def agreed(key: str):  # the top-level key, else dflash_config's copy; readers differ in which they take
+        top, nested = data.get(key), dflash.get(key)
+        if top is not None and nested is not None and top != nested:
+            raise DrafterError(f"{where}: {key} is {top!r} but dflash_config.{key} is {nested!r}; readers take one "
+                               f"or the other, so the engines could run another {key}: keep one, or make them equal")
+        return nested if top is None else top
+
     n_layers = size("num_hidden_layers")
     heads = size("num_attention_heads")
     hidden = size("hidden_size")
     layer_types, window = _layer_types(data, n_layers, where)
-    extra = dflash2.parse_keys(dflash, where) if second else {}
-    try:
-        return (DFlash2Config if second else DrafterConfig)(**extra,
-            hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads,
-            num_key_value_heads=size("num_key_value_heads", data.get("num_key_value_heads") or heads),
-            head_dim=size("head_dim", data.get("head_dim") or max(1, hidden // heads)),
-            intermediate_size=size("intermediate_size"),
-            rms_norm_eps=_float(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
-            rope_theta=_rope_theta(data, where),
-            max_position_embeddings=size("max_position_embeddings", data.get("max_position_embeddings") or 40960),
-            vocab_size=size("vocab_size"),
-            block_size=size("block_size", data.get("block_size", dflash.get("block_size"))),
-            num_target_layers=size("num_target_layers", data.get("num_target_layers", dflash.get("num_target_layers"))),
-            target_layer_ids=ids, mask_token_id=_int(dflash["mask_token_id"], "dflash_config.mask_token_id", where),
-            layer_types=layer_types, sliding_window=window,
-            initializer_range=_float(data.get("initializer_range", 0.02), "initializer_range", where),
-            target_fingerprint=str(data.get("target_fingerprint") or ""),
-        )
+    values = dict(
+        hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads,
+        num_key_value_heads=size("num_key_value_heads", given("num_key_value_heads", heads)),
+        head_dim=size("head_dim", given("head_dim", max(1, hidden // heads))),
+        intermediate_size=size("intermediate_size"),
+        rms_norm_eps=_float(given("rms_norm_eps", 1e-6), "rms_norm_eps", where, positive=True),
+        rope_theta=_rope_theta(data, where),
+        max_position_embeddings=size("max_position_embeddings", given("max_position_embeddings", 40960)),
+        vocab_size=size("vocab_size"),
+        block_size=size("block_size", agreed("block_size"), minimum=2),
+        num_target_layers=size("num_target_layers", agreed("num_target_layers")),
+        target_layer_ids=ids, mask_token_id=_int(dflash["mask_token_id"], "dflash_config.mask_token_id", where),
+        layer_types=layer_types, sliding_window=window,
+        initializer_range=_float(given("initializer_range", 0.02), "initializer_range", where, positive=True),
+        target_fingerprint=str(data.get("target_fingerprint") or ""),
+        **(dflash2.parse_keys(dflash, where) if second else {}),
+    )
+    try:  # DrafterConfig's own checks: head counts, layer ids, mask id, layer_types (each value is typed above)
+        return (DFlash2Config if second else DrafterConfig)(**values)
     except ValueError as exc:
-        raise DrafterError(f"{where}: {exc}") from exc
+        raise DrafterError(f"{where}: {exc}. Fix that key in {where.name}, or restore the {CONFIG_NAME} that came "
+                           "with the drafter's weights") from exc
 
 
 # --- reading: the weights ------------------------------------------------------------------------------
@@ -281,46 +304,9 @@ def weight_files(directory: Path) -> list[Path]:
     raise DrafterError(f"{directory} has a {CONFIG_NAME} but no {WEIGHTS_NAME}; the drafter's weights are missing")
 
 
-def _stored_tensors(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype) from the safetensors headers, without reading a weight."""
-    from safetensors import safe_open
-
-    found = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    found[name] = (tuple(sl.get_shape()), sl.get_dtype())
-        except Exception as exc:  # SafetensorError (a truncated or foreign file) is not an OSError
-            raise DrafterError(f"{path} is damaged: {type(exc).__name__}: {exc}; copy or write it again") from None
-    return found
-
-
-def check_tensors(config: DrafterConfig, stored: dict, directory: Path) -> None:
-    expected = expected_tensors(config)
-    missing = sorted(set(expected) - set(stored))
-    extra = sorted(set(stored) - set(expected))
-    if missing or extra:
-        hint = ""
-        if any(n.startswith("model.") for n in extra):
-            hint = " The file's names carry a \"model.\" prefix, which the reference layout has none of."
-        elif any(".mlp." not in n and n.endswith(("gate_proj.weight", "up_proj.weight")) for n in extra):
-            hint = (" MLP weights without \"mlp.\" are the older project layout: convert with "
-                    f"dflash export {directory} NEW_DIR.")
-        raise DrafterError(
-            f"the tensors in {directory} do not match its {CONFIG_NAME} ({config.num_hidden_layers} layers): "
-            f"missing {missing or 'none'}; extra {extra or 'none'}.{hint} Nothing was loaded: a drafter with "
-            "uninitialised weights would decode garbage without an error")
-    shapes = [f"{n}: file {stored[n][0]}, config {s}" for n, s in expected.items() if stored[n][0] != s]
-    if shapes:
-        raise DrafterError(f"the tensors in {directory} have other shapes than its {CONFIG_NAME} says: "
-                           + "; ".join(shapes))
-
-
-def read_drafter_config(directory) -> DrafterConfig:
-    """The DrafterConfig of a reference-layout directory, after checking its tensor names and shapes
-    (from the file headers: no weight is read)."""
+def _read(directory) -> tuple[DrafterConfig, torch.dtype]:
+    """(config, stored dtype) of a reference-layout directory, everything checked from config.json and the
+    safetensors headers (no weight is read)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DrafterError(f"drafter directory {directory} does not exist; pass a directory holding "
@@ -329,29 +315,40 @@ def read_drafter_config(directory) -> DrafterConfig:
         what = "weights but" if any(directory.glob("*.safetensors")) else "nothing like a drafter:"
         raise DrafterError(f"{directory} holds {what} no {CONFIG_NAME}; a drafter needs the config.json that came "
                            "with its weights (model_type qwen3, architectures [DFlashDraftModel], dflash_config)")
-    config = parse_reference_config(read_json(directory / CONFIG_NAME), directory / CONFIG_NAME)
-    check_tensors(config, _stored_tensors(weight_files(directory)), directory)
-    return config
+    data = read_json(directory / CONFIG_NAME)
+    config = parse_reference_config(data, directory / CONFIG_NAME)
+    stored = stored_tensors(weight_files(directory))
+    check_tensors(config, stored, directory)
+    dtype = check_dtypes(stored, directory)
+    check_declared_dtype(data, dtype, directory / CONFIG_NAME)
+    return config, dtype
+
+
+def read_drafter_config(directory) -> DrafterConfig:
+    """The DrafterConfig of a reference-layout directory, after checking its tensor names, shapes and
+    dtypes (from the file headers: no weight is read)."""
+    return _read(directory)[0]
 
 
 def load_drafter(directory, device="cpu", dtype: torch.dtype | None = None, attention: str = "sdpa") -> Drafter:
-    """A Drafter from a reference-layout directory, checked first (read_drafter_config).
+    """A Drafter from a reference-layout directory, checked first (read_drafter_config), then its weights
+    checked finite (check_finite).
 
-    dtype None keeps the stored dtype, except on a CPU, where bf16/fp16 weights are upcast to float32
+    dtype None keeps the stored dtype, except on a CPU, where bf16 weights are upcast to float32
     (exactly: every bf16 value is a float32 value) since CPU half-precision matmuls are slow and round
     differently from a GPU's.
     """
     from safetensors.torch import load_file
 
     directory, device = Path(directory), torch.device(device)
-    config = read_drafter_config(directory)
+    config, stored = _read(directory)
     state = {}
     for path in weight_files(directory):
         state.update(load_file(str(path), device=str(device)))
-    stored = next(v.dtype for v in state.values() if v.is_floating_point())
+    check_finite(state, directory)
     if dtype is None:
         dtype = stored
-        if device.type == "cpu" and stored in (torch.bfloat16, torch.float16):
+        if device.type == "cpu" and stored == torch.bfloat16:
             dtype = torch.float32
             log.warning("drafter %s holds %s weights; upcast to float32 for the CPU (exact)", directory,
                         DTYPE_NAMES[stored])

@@ -216,6 +216,7 @@ class Case:
     held: Callable[[Path], object] | None = None  # a context (e.g. another run's lock) around the command
     untouched: bool = False  # every file already in tmp/out keeps its content (train.log too)
     xfail: str | None = None  # a fix that lives in a file this suite's changes could not touch
+    before_load: bool = False  # every one of `words` is printed before the target's weights load
 
 
 def train(**extra):
@@ -240,6 +241,30 @@ def regenerate_refused(w, t: Path) -> list[str]:
 def evaluate(*flags: str):
     return lambda w, t: ["--target", str(w["target"]), "--data", str(w["data"]), "--limit", "2",
                          "--max-new-tokens", "4", "--device", "cpu", *flags]
+
+
+def evaluate_run(*flags: str, data: str | None = None, prompts: str | None = None, drafter: str | None = None):
+    """dflash-eval of the finished run's drafter (or `drafter`, made in tmp) on the world's data (or the
+    `data` / `prompts` path, "{t}" standing for tmp)."""
+    def argv(w, t: Path) -> list[str]:
+        source = (["--prompts", prompts.format(t=t)] if prompts else
+                  ["--data", data.format(t=t) if data else str(w["data"])])
+        return ["--target", str(w["target"]), "--drafter", drafter.format(t=t) if drafter else str(w["run"] / "drafter"),
+                *source, "--limit", "2", "--max-new-tokens", "4", "--device", "cpu", *flags]
+    return argv
+
+
+def data_dir(w, t: Path) -> None:
+    (t / "prompts").mkdir()
+    shutil.copy(w["data"], t / "prompts" / "chat.jsonl")
+
+
+def drafter_tapping_the_last_layer(w, t: Path) -> None:
+    """The finished run's drafter with its last tapped id moved to the target's last layer (4 layers: id 3),
+    as a third party's drafter for vLLM could have it: the same tensor shapes, a valid config."""
+    shutil.copytree(w["run"] / "drafter", t / "drafter")
+    edit_json("config.json", lambda d: d["dflash_config"]["target_layer_ids"].__setitem__(
+        -1, d["num_target_layers"] - 1))(t / "drafter")
 
 
 CASES = [
@@ -337,6 +362,22 @@ CASES = [
     Case("eval-drafter-damaged", eval_main, lambda w, t: evaluate("--drafter", str(ckpt_dir(t / "out") / "drafter"))(w, t),
          7, ("model.safetensors is damaged",), resume_from=damage_weights),
     Case("eval-limit-zero", eval_main, evaluate("--drafter", "runs/nope", "--limit", "0"), 2, ("--limit",)),
+    # dflash-eval's prompts, read before any model loads
+    Case("eval-data-a-directory", eval_main, evaluate_run(data="{t}/prompts"), 6,
+         ("--data", "prompts is a directory (it holds chat.jsonl)", "pass one file"), True, prepare=data_dir),
+    Case("eval-data-file-missing", eval_main, evaluate_run(data="{t}/missing.jsonl"), 6,
+         ("--data", "missing.jsonl: no such file", "chat JSONL file"), True),
+    Case("eval-prompts-file-missing", eval_main, evaluate_run(prompts="{t}/prompts.txt"), 6,
+         ("--prompts", "prompts.txt: no such file", "one user prompt per line"), True),
+    Case("eval-prompts-empty", eval_main, evaluate_run(prompts="{t}/prompts.txt"), 6,
+         ("no prompt found in --prompts", "prompts.txt"), True,
+         prepare=lambda w, t: (t / "prompts.txt").write_text("\n  \n")),
+    # a drafter SGLang cannot serve: evaluated (vLLM serves it), with a warning before anything loads
+    Case("eval-drafter-taps-the-last-layer", eval_main, evaluate_run("--no-baselines", drafter="{t}/drafter"), 0,
+         ("dflash-eval: warning:", "target layer id 3 is the target's last layer", "SGLang cannot serve",
+          "vLLM serves it", "for vLLM only"), prepare=drafter_tapping_the_last_layer, before_load=True),
+    Case("eval-compare-drafter-missing", eval_main, evaluate_run("--compare", "runs/nope", "--no-baselines"), 7,
+         ("runs/nope", "does not exist"), True),
 ]
 
 
@@ -369,6 +410,9 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
         assert word not in text, f"{word!r} in: {text}"
     if case.cheap:
         assert LOADED not in text, "the check ran only after the target's weights were loaded"
+    if case.before_load:
+        assert LOADED in text, text
+        assert all(text.index(word) < text.index(LOADED) for word in case.words), text
     if case.seconds is not None:
         assert elapsed < case.seconds, f"took {elapsed:.1f} s"
     if case.leaves is not ANY:
