@@ -3,7 +3,8 @@
     dflash-train                                          the built-in demo, end to end (prints tau)
     dflash-train --target DIR --data FILE.jsonl --out DIR train a drafter (every option: --help)
     dflash-train --out DIR --resume                       continue a stopped run
-    torchrun --nproc-per-node 8 -m dflash.cli train ...   one process per GPU
+    dflash-train --nproc-per-node 8 ...                   one process per GPU (torchrun's launch, with the
+                                                          run's own exit code; torchrun -m dflash.cli train works too)
     dflash-train --init-drafter DIR ...                   continue training a drafter (a published one too)
     dflash-train --config sweep.toml                      several drafters on one target pass ([[drafters]])
     dflash-eval --target DIR --drafter DIR --data FILE.jsonl   tau, tokens/s, losslessness
@@ -40,7 +41,23 @@ def _framed(prog: str, fn, argv) -> int:
     """fn(argv) under the project's one command-line frame (common.cli.run_cli): a DflashError becomes its
     message and exit code, Ctrl-C exit code 130, SIGTERM 143 after the same clean-up (training and server
     regeneration handle both signals themselves and finish cleanly first)."""
-    return run_cli(prog, lambda: fn(argv))
+    return run_cli(prog, lambda: _said_by_rank_0(fn, argv))
+
+
+def _said_by_rank_0(fn, argv) -> int:
+    """Under torchrun, a refusal (a bad option, checkpoint, target, data or drafter, a busy --out) is found
+    the same way by every rank: rank 0 says it, the others exit with its code quietly. Faults of one rank
+    (out of memory, a lost peer) are said by the rank that meets them."""
+    import os
+
+    from dflash.errors import CheckpointError, DataError, DrafterError, RunDirBusy, TargetError
+
+    try:
+        return fn(argv)
+    except (ConfigError, CheckpointError, DataError, DrafterError, RunDirBusy, TargetError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            raise
+        return exc.exit_code
 
 
 # --- dflash-train ----------------------------------------------------------------------------------
@@ -49,7 +66,8 @@ def train_parser() -> argparse.ArgumentParser:
         prog="dflash-train",
         description="Train a DFlash drafter for a frozen target. With no --target/--data: the built-in "
                     "demo (tiny target, regenerated data, training, then tau beside two baselines).",
-        epilog="Multi-GPU: torchrun --nproc-per-node N -m dflash.cli train [options]. Subcommands: "
+        epilog="Multi-GPU: dflash-train --nproc-per-node N [options] (torchrun's launch, ending with the run's "
+               "exit code), or torchrun --nproc-per-node N -m dflash.cli train [options]. Subcommands: "
                + ", ".join(SUBCOMMANDS) + " (e.g. dflash-train doctor).",
     )
     add_version(parser)
@@ -88,11 +106,20 @@ def _drafter_specs(argv: list[str], config: TrainConfig) -> list:
     return resolve_drafters(config_file, config.io.out, config.io.resume)
 
 
+def _train_or_launch(argv) -> int:
+    """With --nproc-per-node N: start N training processes here (dflash.launcher; each runs _train on the
+    other arguments) and end with the run's code; without: train in this process."""
+    from dflash.launcher import launch, split_launch
+
+    nproc, rest = split_launch(argv)
+    return _train(argv) if nproc is None else launch(nproc, rest)
+
+
 def train_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
         return main(argv)
-    return _framed("dflash-train", _train, argv)
+    return _framed("dflash-train", _train_or_launch, argv)
 
 
 # --- dflash-eval -----------------------------------------------------------------------------------
@@ -107,7 +134,7 @@ def eval_parser() -> argparse.ArgumentParser:
                    help="another drafter for the same target (e.g. a DFlash2 one beside a DFlash one), evaluated "
                         "on the same prompts and printed beside --drafter; repeatable")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="chat JSONL: the user turns before each conversation's first answer are the prompts")
+    src.add_argument("--data", help="chat JSONL file: the user turns before each conversation's first answer are the prompts")
     src.add_argument("--prompts", help="text file, one user prompt per line (wrapped in the chat template)")
     p.add_argument("--limit", type=int, default=32, help="evaluate at most this many prompts")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
@@ -283,7 +310,7 @@ class Subcommand:
 
 
 COMMANDS: dict[str, Subcommand] = {
-    "train": Subcommand(_train, "train a drafter (dflash-train; no options: the built-in demo)"),
+    "train": Subcommand(_train_or_launch, "train a drafter (dflash-train; no options: the built-in demo)"),
     "eval": Subcommand(_eval, "tau, tokens/s and losslessness of a trained drafter (dflash-eval)"),
     "export": Subcommand(_export, "convert an older project drafter into the reference DFlash layout"),
     "regenerate": Subcommand(_regenerate, "rewrite a chat JSONL's answers with the target's own responses"),

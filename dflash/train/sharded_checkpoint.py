@@ -151,7 +151,7 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
             shutil.rmtree(tmp, ignore_errors=True)
     if distributed.any_rank(d, error is not None):  # every rank stops, whichever one failed
         raise error or CheckpointError(
-            f"writing checkpoint {final} failed on another rank (rank 0 of the run names the cause). The previous "
+            f"writing checkpoint {final} failed on another rank of the run, whose message names the cause. The previous "
             f"checkpoint is intact ({ckpt.read_latest(root) or 'none yet'}); rerun with --resume once it is fixed.")
     return final
 

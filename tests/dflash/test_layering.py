@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "dflash"
 # lowest first; a sub-package may import its own layer and any layer before it, never one after it
 LAYERS = [{"errors", "distributed"}, {"config"}, {"data", "model"}, {"io"}, {"regenerate"}, {"decode", "plan"},
-          {"train"}, {"demo", "doctor"}, {"cli", "__main__"}]
+          {"train"}, {"demo", "doctor"}, {"cli", "__main__", "launcher"}]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
 
