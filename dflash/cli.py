@@ -50,11 +50,11 @@ def _said_by_rank_0(fn, argv) -> int:
     (out of memory, a lost peer) are said by the rank that meets them."""
     import os
 
-    from dflash.errors import CheckpointError, DataError, DrafterError, RunDirBusy, TargetError
+    from dflash.errors import SAID_BY_RANK_0
 
     try:
         return fn(argv)
-    except (ConfigError, CheckpointError, DataError, DrafterError, RunDirBusy, TargetError) as exc:
+    except SAID_BY_RANK_0 as exc:
         if os.environ.get("RANK", "0") == "0":
             raise
         return exc.exit_code

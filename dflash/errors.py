@@ -93,3 +93,8 @@ class RankLostError(TrainError):
     ranks stop with this (the message names this rank, the step and the last checkpoint)."""
 
     exit_code = 11
+
+
+# Refusals every rank of a multi-process run finds the same way (they check the same options and files):
+# rank 0 says them, the other ranks exit with the code quietly (dflash.cli, dflash.train.trainer).
+SAID_BY_RANK_0 = (ConfigError, CheckpointError, DataError, DrafterError, TargetError, RunDirBusy)

@@ -39,7 +39,7 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs, write_plan
 from dflash.data.batches import collate, load_items
-from dflash.errors import CheckpointError, ConfigError, DflashError
+from dflash.errors import SAID_BY_RANK_0, CheckpointError, ConfigError, DflashError
 from dflash.model.dflash2 import dflash2_extra_params
 from dflash.train import checkpoint as ckpt
 from dflash.train import layouts
@@ -336,7 +336,8 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
                      d.device)
             return trainer.run()
         except DflashError as exc:
-            log.error("stopped: %s", exc)
+            if d.is_main or not isinstance(exc, SAID_BY_RANK_0):  # a refusal: rank 0's line says it for all
+                log.error("stopped: %s", exc)
             raise
         except Exception as exc:  # a full disk, a lost rank: the drafters checkpoint at the same steps
             first = RunDir(next(iter(configs.values())).io.out)

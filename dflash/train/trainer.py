@@ -31,7 +31,7 @@ from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.config import TrainConfig
 from dflash.data.batches import DataOrder, collate, data_fingerprint, item_lengths, load_items
 from dflash.train.heartbeat import Heartbeat
-from dflash.errors import CheckpointError, DflashError, TrainError
+from dflash.errors import SAID_BY_RANK_0, CheckpointError, DflashError, TrainError
 from dflash.train.precheck import check_before_loading
 from dflash.train.schedule import lr_lambda
 from dflash.train.signals import StopFlag
@@ -303,7 +303,8 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop
             return result
         except DflashError as exc:  # also in train.log, where a run's story is read afterwards
-            log.error("stopped: %s", exc)
+            if d.is_main or not isinstance(exc, SAID_BY_RANK_0):  # a refusal: rank 0's line says it for all
+                log.error("stopped: %s", exc)
             raise
         except Exception as exc:
             error = known_fault(exc, config, run, d, trainer.step if trainer else 0)

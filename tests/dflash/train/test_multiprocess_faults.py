@@ -184,3 +184,20 @@ def test_sigterm_to_a_pipeline_stage_rank_stops_the_whole_run_with_a_checkpoint(
     assert 2 <= step < 10_000
     assert ckpt.latest_checkpoint(RunDir(out).checkpoints).name == ckpt.step_dir_name(step)
     assert "exitcode: 143" in (logs / "torchrun.txt").read_text()  # torchrun's line for the first rank to end
+
+
+@pytest.mark.slow  # one launch of 2 gloo processes, refused before the target loads (about 20 s)
+def test_two_processes_resuming_a_changed_shard_exit_3_and_say_it_once(sharded_run, tmp_path):
+    """The same damage under dflash-train --nproc-per-node 2 (DCP would reshard the one-rank checkpoint to
+    two): every rank finds it, rank 0 says it, and the launch ends with the refusal's own code."""
+    out = tmp_path / "out"
+    shutil.copytree(sharded_run["run"], out)
+    flip_bytes_inside_a_shard(out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_HEARTBEAT": str(tmp_path / "heartbeat")}
+    argv = ["--nproc-per-node", "2", *train_args(sharded_run["target"], sharded_run["data"], out, **SHARD), "--resume"]
+    run = subprocess.run([sys.executable, "-c", "import sys; from dflash.cli import train_main; sys.exit(train_main())",
+                          *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    text = run.stdout + run.stderr
+    assert_clear_failure(run.returncode, 3, text, ["__0_0.distcp changed since it was written"])
+    assert text.count("stopped:") == 1 and text.count("dflash train: error:") == 1, text[-3000:]  # rank 0 only
+    assert "Loading weights" not in text
