@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import shutil
 import socket
@@ -29,7 +28,7 @@ from common.fsutil import exclusive
 from dflash.cli import eval_main, main, train_main
 from dflash.train.rundir import RunDir
 from tests.support.bad_input import assert_clear_failure, snapshot
-from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
+from tests.support.dflash_train_fixtures import drop_run_log_handlers, save_chat_target, train_args, write_chat_jsonl
 
 LOADED = "Loading weights"  # transformers' progress line when the target's weights load
 
@@ -40,10 +39,7 @@ def no_handlers_left_by_a_run():
     a later command in this process (report, regenerate) must not log into them (one process, one command
     outside tests)."""
     yield
-    logger = logging.getLogger("dflash")
-    for handler in [h for h in logger.handlers if getattr(h, "_dflash", False)]:
-        logger.removeHandler(handler)
-        handler.close()
+    drop_run_log_handlers()
 
 
 @pytest.fixture(scope="module")

@@ -64,3 +64,14 @@ def read_metrics(out: Path) -> list[dict]:
     from dflash.train.rundir import RunDir
 
     return [json.loads(line) for line in RunDir(out).metrics.read_text().splitlines() if line]
+
+
+def drop_run_log_handlers() -> None:
+    """Remove the handlers a dflash-train run gave the "dflash" logger (bound to that test's stderr and
+    train.log), so that a later command in the same test process does not log into them."""
+    import logging
+
+    logger = logging.getLogger("dflash")
+    for handler in [h for h in logger.handlers if getattr(h, "_dflash", False)]:
+        logger.removeHandler(handler)
+        handler.close()
