@@ -8,8 +8,11 @@ both; docs/dflash2.md lists where each engine reads each key and tensor):
     layers.N.{attention_conv,mlp_conv}.{base_kernel, kernel_projection.weight}
     candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}
 
-No auto_map / modeling_dflash.py: that file implements DFlashDraftModel, which would load a DFlash2
-drafter without its convolutions and selector.
+    auto_map {"AutoModel": "modeling_dflash2.DFlash2DraftModel"}   transformers' trust_remote_code path:
+    modeling_dflash2.py (dflash/io/remote_code_dflash2.py, self-contained) is written beside the weights
+
+not modeling_dflash.py, whose DFlashDraftModel would load a DFlash2 drafter without its convolutions and
+selector.
 """
 
 from __future__ import annotations
@@ -22,11 +25,20 @@ from dflash.model.dflash2 import DFLASH2_KEYS, DFlash2Config
 from dflash.model.drafter import DrafterConfig
 
 ARCHITECTURE = "DFlash2DraftModel"
+MODEL_FILE = "modeling_dflash2.py"  # dflash/io/remote_code_dflash2.py, for AutoModel(..., trust_remote_code=True)
+AUTO_MAP = {"AutoModel": "modeling_dflash2.DFlash2DraftModel"}
 _REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # vLLM reads them with []
 
 
 def is_dflash2(config: DrafterConfig) -> bool:
     return isinstance(config, DFlash2Config)
+
+
+def remote_code_source() -> str:
+    """modeling_dflash2.py: the self-contained DFlash2DraftModel that config.json's auto_map names."""
+    from dflash.io import remote_code_dflash2
+
+    return Path(remote_code_dflash2.__file__).read_text()
 
 
 def dflash_config_keys(config: DFlash2Config) -> dict:

@@ -5,6 +5,7 @@
                              (a sharded model.safetensors.index.json + shards is read as well)
     DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/io/remote_code.py) that config.json's
                              auto_map names: AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it
+                             (a DFlash2 drafter: modeling_dflash2.py and its DFlash2DraftModel, dflash.io.dflash2)
 
 config.json, as `reference_config` writes it (one key per DrafterConfig field, except the two that nest):
 
@@ -78,7 +79,7 @@ def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16)
         "model_type": MODEL_TYPE,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "auto_map": dict(AUTO_MAP),
+        "auto_map": dict(dflash2.AUTO_MAP if second else AUTO_MAP),
         "block_size": config.block_size,
         "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id,
                           **(dflash2.dflash_config_keys(config) if second else {})},
@@ -106,8 +107,6 @@ def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16)
         "use_sliding_window": sliding,
         "vocab_size": config.vocab_size,
     }
-    if second:  # modeling_dflash.py implements DFlashDraftModel only (dflash.io.dflash2)
-        del data["auto_map"]
     return data
 
 
@@ -130,7 +129,9 @@ def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.
         raise DrafterError(f"cannot save a drafter as {dtype}; use one of {', '.join(DTYPE_NAMES.values())}")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
-    if not dflash2.is_dflash2(drafter.config):
+    if dflash2.is_dflash2(drafter.config):
+        atomic_write(directory / dflash2.MODEL_FILE, dflash2.remote_code_source())
+    else:
         atomic_write(directory / MODEL_FILE, remote_code_source())
     config = json.dumps(reference_config(drafter.config, dtype), indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, config)

@@ -62,12 +62,13 @@ def test_written_and_read_back_it_is_the_same_drafter(tmp_path):
             p.add_(torch.randn_like(p) * 0.1)
     directory = save_drafter(drafter, tmp_path / "d", dtype=torch.float32)
     data = json.loads((directory / "config.json").read_text())
-    assert data["architectures"] == ["DFlash2DraftModel"] and "auto_map" not in data
+    assert data["architectures"] == ["DFlash2DraftModel"]
+    assert data["auto_map"] == {"AutoModel": "modeling_dflash2.DFlash2DraftModel"}  # trust_remote_code's module
     assert {k: data["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                                   "selector_top_k", "output_multiplier", "final_logit_softcapping")} \
         == dict(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=5, output_multiplier=2.0,
                 final_logit_softcapping=30.0)
-    assert not (directory / "modeling_dflash.py").exists()
+    assert not (directory / "modeling_dflash.py").exists() and (directory / "modeling_dflash2.py").is_file()
     back = load_drafter(directory)
     assert isinstance(back, DFlash2Drafter) and back.config == drafter.config
     with torch.no_grad():
