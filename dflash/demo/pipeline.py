@@ -14,9 +14,11 @@ from dflash.config import TrainConfig
 from dflash.data.batches import ChatDataset, dataset_items
 from dflash.decode.evaluate import evaluate, evaluate_baseline, format_results
 from dflash.regenerate.local import regenerate
+from dflash.train import layouts
 from dflash.train.monitor import claimed_run
 from dflash.train.rundir import RunDir
 from dflash.train.setup import load_target
+from dflash.train.sharded_checkpoint import full_drafter
 from dflash.train.trainer import train
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.target import build_demo_target
@@ -43,9 +45,18 @@ def run_demo(config: TrainConfig) -> int:
     untrained-drafter and repeat-last-token baselines; <out>/eval.json keeps the numbers. Returns the
     exit code (1 when the trained drafter's output was not lossless). The run holds --out from the
     first write of its data to its evaluation (dflash.train.rundir)."""
-    with distributed.joined(config.runtime.device, cpu_threads=config.runtime.cpu_threads) as d, \
-            claimed_run(config, d) as run:
+    # the layout's process group, held past train(): a sharded drafter is gathered after it for the evaluation
+    with layouts.joined(config) as d, claimed_run(config, d) as run:
         return _run_demo(config, run, d)
+
+
+def _whole_drafter(drafter, config: TrainConfig, d: distributed.Dist):
+    """The trained drafter whole on rank 0 (None elsewhere) for the evaluation: under a sharded layout its
+    FSDP2 shards gathered into a plain fp32 drafter on the run's device (a collective of the drafter's ranks)."""
+    if not layouts.is_sharded(config.runtime.layout):
+        return drafter
+    whole = full_drafter(drafter, d.rank)
+    return whole.to(d.device) if whole is not None else None
 
 
 def _run_demo(config: TrainConfig, run: RunDir, d: distributed.Dist) -> int:
@@ -61,10 +72,13 @@ def _run_demo(config: TrainConfig, run: RunDir, d: distributed.Dist) -> int:
     dataset = ChatDataset(regenerated, target.tokenizer, max_length=config.model.max_length,
                           block_size=config.model.block_size)
     result = train(config, target=target, items=dataset_items(dataset))
-    if result.stopped_by or not d.is_main:
+    if result.stopped_by or result.drafter is None:  # stopped, or a --layout pipeline target stage
+        return result.exit_code
+    drafter = _whole_drafter(result.drafter, config, d)
+    if not d.is_main:
         return result.exit_code
     prompts = [prompt_ids(target.tokenizer, c) for c in held_out]
-    drafter = result.drafter.eval()
+    drafter = drafter.eval()
     n = demo.eval_new_tokens
     results = {
         "trained drafter": evaluate(target, drafter, prompts, n, progress=show),

@@ -89,17 +89,17 @@ def _options(full: bool):
 
 
 def full_drafter(drafter: torch.nn.Module, rank: int, group=None):
-    """The sharded drafter gathered into a plain fp32 Drafter on the CPU on `rank` 0 of `group` (None
-    elsewhere); a collective: every rank that holds a shard calls it."""
+    """The sharded drafter gathered into a plain fp32 drafter of its kind on the CPU on `rank` 0 of `group`
+    (None elsewhere); a collective: every rank that holds a shard calls it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from dflash.model.drafter import Drafter
+    from dflash.model.dflash2 import build_drafter
 
     state = get_model_state_dict(drafter, options=_options(full=True))
     if rank != 0:
         return None
-    with torch.device("meta"):
-        plain = Drafter(drafter.config, attention=drafter.attention)
+    with torch.device("meta"):  # the drafter's own kind: a DFlash2 drafter has convolutions and a selector
+        plain = build_drafter(drafter.config, attention=drafter.attention)
     plain.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
     return plain
 
