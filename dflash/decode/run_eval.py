@@ -8,7 +8,8 @@ config.json (dflash.decode.evaluate.check_for_eval, whose warnings go to stderr 
 `--compare DIR` evaluates more drafters of the same target on the same prompts (DFlash beside DFlash2).
 
 Exit codes: 0; 1 when an evaluated drafter's output was not lossless (temperature 0 only: sampled outputs are
-checked in distribution by the tests, not per run); a DflashError's own code otherwise.
+checked in distribution by the tests, not per run); a DflashError's own code otherwise. An output that first
+differs from greedy decoding at a near-tie (dflash.decode.lossless) is lossless: it is counted, not failed.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def read_prompts(tokenizer, data: str | None, prompts_file: str | None, limit: i
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """Evaluate args.drafter (and each args.compare) on args.target (flags: dflash.cli.eval_parser); print; return the exit code."""
+    """Evaluate args.drafter (and each args.compare) on args.target (flags: dflash.cli.eval_parser); print;
+    return the exit code."""
     from dflash import distributed
     from dflash.data.chat import prompt_ids
     from dflash.decode.evaluate import check_for_eval, evaluate, evaluate_baseline, format_results, load_checked

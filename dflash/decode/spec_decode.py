@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -101,13 +101,18 @@ def accept_sampled(draft: Draft, p: torch.Tensor, generator: torch.Generator | N
 
 @torch.no_grad()
 def target_generate(target, prompt_ids: list[int], max_new_tokens: int, stop_token_ids: Iterable[int] = (),
-                    *, use_cache: bool = True, sampler: Sampler | None = None) -> list[int]:
-    """Plain decoding by the target alone, one token per forward (greedy at temperature 0)."""
+                    *, use_cache: bool = True, sampler: Sampler | None = None,
+                    on_step: Callable[[int, int, torch.Tensor], None] | None = None) -> list[int]:
+    """Plain decoding by the target alone, one token per forward (greedy at temperature 0).
+    on_step(position, token, logits [V]) sees each pick and the logits it came from (dflash.decode.lossless)."""
     sampler, stop, runner = sampler or Sampler(), set(stop_token_ids), target_runner(target, use_cache)
     tokens, feed = [], list(prompt_ids)
     while len(tokens) < max_new_tokens:
         last, _ = runner.forward(feed)
-        tokens.append(int(sampler.pick(target.lm_head(last[0, -1:]))[0]))
+        logits = target.lm_head(last[0, -1:])                                       # [1,V]
+        tokens.append(int(sampler.pick(logits)[0]))
+        if on_step is not None:
+            on_step(len(tokens) - 1, tokens[-1], logits[0])
         if tokens[-1] in stop:
             break
         feed = tokens[-1:]
