@@ -62,7 +62,11 @@ def step_dir_name(step: int) -> str:
 
 def publish(tmp: Path, final: Path) -> None:
     """Make the complete checkpoint `tmp` visible as `final` and point `latest` at it. The same step
-    written twice (a stop right after a resume): the old one is swapped out, then dropped."""
+    written twice (a stop right after a resume): the old one is swapped out, then dropped. Its manifest
+    (dflash.train.manifest) is written first: the last write into it."""
+    from dflash.train.manifest import write_manifest
+
+    write_manifest(tmp)
     root, old = final.parent, None
     if final.exists():
         old = root / f".old-{final.name}-{os.getpid()}"

@@ -121,9 +121,9 @@ def _damaged(checkpoint: Path, what: Path, reason: str) -> CheckpointError:
 
 def check_resume_checkpoint(config: TrainConfig) -> None:
     """With --resume: the checkpoint `latest` names exists, its drafter's config and tensor headers read, its
-    trainer state unpickles (tensors memory-mapped, not read), and a sharded checkpoint's dcp/ files have
-    the sizes and sha256 recorded when they were written: a damaged file is named before the target loads,
-    with the way out."""
+    trainer state unpickles (tensors memory-mapped, not read), and every file has the size and sha256 its
+    manifest recorded when it was written: a damaged file is named before the target loads, with the way
+    out."""
     if not config.io.resume:
         return
     import zipfile
@@ -133,7 +133,8 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     from dflash.io.drafter import read_drafter_config
     from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
     from dflash.train.layouts import CHECKPOINT_KIND
-    from dflash.train.sharded_checkpoint import DCP_DIR, FILES_KEY, KIND_KEY, check_kind, verify_files
+    from dflash.train.manifest import check_manifest
+    from dflash.train.sharded_checkpoint import KIND_KEY, check_kind
     from dflash.train.rundir import RunDir
 
     root = RunDir(config.io.out).checkpoints
@@ -161,10 +162,9 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
     layout = config.runtime.layout
     check_kind(last, loaded, layout, CHECKPOINT_KIND[layout])
-    if FILES_KEY in loaded:  # DCP checks nothing itself: a changed shard would load into another drafter
-        problem = verify_files(last, loaded[FILES_KEY])
-        if problem:
-            raise _damaged(last, last / DCP_DIR, problem)
+    problem = check_manifest(last)  # bytes changed inside tensor data load without an error anywhere else
+    if problem:
+        raise _damaged(last, *problem)
 
 
 def check_memory(config: TrainConfig, world_size: int, device, card_gb_for_tests: float | None = None) -> None:

@@ -12,10 +12,8 @@
 
 Every rank that holds drafter state writes into one hidden temp dir on a filesystem all of them see;
 rank 0 renames it into place and moves `latest` only after every rank finished (as in
-dflash.train.checkpoint, whose atomicity and pruning this reuses). trainer_state.pt records the size and
-sha256 of every file in dcp/ ("dcp_files"): DCP itself checks nothing, so a flipped byte inside a shard
-would resume without an error into another drafter; the resume check (dflash.train.precheck) compares
-them before anything loads.
+dflash.train.checkpoint, whose atomicity, manifest (dflash.train.manifest: DCP itself checks nothing, so
+a flipped byte inside a shard would resume into another drafter) and pruning this reuses.
 
 A failed save ends the same way on every rank (each learns of the others' failure): disk errors say
 "free space", any other cause is named in one line per rank; a peer that went away mid-save is left to
@@ -24,7 +22,6 @@ the training loop, which names the lost rank (dflash.train.faults).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import shutil
 from pathlib import Path
@@ -41,7 +38,6 @@ from dflash.train.layouts import CHECKPOINT_KIND, is_sharded
 
 DCP_DIR = "dcp"
 KIND_KEY = "checkpoint_kind"
-FILES_KEY = "dcp_files"
 
 
 def _checkpoint_exception():
@@ -49,37 +45,6 @@ def _checkpoint_exception():
     from torch.distributed.checkpoint.api import CheckpointException
 
     return CheckpointException
-
-
-def file_digests(folder: Path) -> dict[str, dict]:
-    """{relative path: {"size", "sha256"}} of every file under `folder` (the shards and .metadata)."""
-    digests = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        digests[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": h.hexdigest()}
-    return digests
-
-
-def verify_files(checkpoint: Path, recorded: dict) -> str | None:
-    """What differs between dcp/ and the digests its trainer_state.pt recorded, or None when all match."""
-    folder = checkpoint / DCP_DIR
-    if not folder.is_dir():
-        return f"{folder} is missing"
-    found = file_digests(folder)
-    missing = sorted(set(recorded) - set(found))
-    if missing:
-        return f"{folder} lacks {', '.join(missing)}"
-    for name, want in recorded.items():
-        got = found[name]
-        if got["size"] != want["size"]:
-            return f"{folder / name} holds {got['size']} bytes, {want['size']} were written"
-        if got["sha256"] != want["sha256"]:
-            return f"{folder / name} changed since it was written (sha256 {got['sha256'][:12]}..., recorded " \
-                   f"{want['sha256'][:12]}...)"
-    return None
 
 
 def _options(full: bool):
@@ -134,8 +99,7 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
         if rank == 0:
             save_drafter(plain, tmp / "drafter", dtype=None)
             state = {"format": ckpt.FORMAT_VERSION, "step": step, KIND_KEY: "dcp",
-                     "scheduler": scheduler.state_dict(), "rng": ckpt.capture_rng(),
-                     FILES_KEY: file_digests(tmp / DCP_DIR), **train_state}
+                     "scheduler": scheduler.state_dict(), "rng": ckpt.capture_rng(), **train_state}
             buffer = io.BytesIO()
             torch.save(state, buffer)
             atomic_write(tmp / ckpt.STATE_FILE, buffer.getvalue())

@@ -67,9 +67,9 @@ def truncate_the_metadata(out: Path) -> None:
 
 
 @pytest.mark.parametrize("damage, words", [
-    (flip_bytes_inside_a_shard, ["__0_0.distcp changed since it was written", "sha256"]),
-    (remove_a_shard, ["lacks __0_0.distcp"]),
-    (truncate_the_metadata, [".metadata holds 40 bytes"]),
+    (flip_bytes_inside_a_shard, ["dcp/__0_0.distcp is damaged (it changed since it was written", "sha256"]),
+    (remove_a_shard, ["dcp/__0_0.distcp is damaged (it is missing; the manifest lists it"]),
+    (truncate_the_metadata, ["dcp/.metadata is damaged (it holds 40 bytes"]),
 ])
 def test_a_damaged_sharded_checkpoint_is_refused_before_the_target_loads(sharded_run, tmp_path, capsys, damage,
                                                                          words):
@@ -78,7 +78,7 @@ def test_a_damaged_sharded_checkpoint_is_refused_before_the_target_loads(sharded
     damage(out)
     code = train_main(train_args(sharded_run["target"], sharded_run["data"], out, **SHARD) + ["--resume"])
     err = capsys.readouterr().err
-    assert_clear_failure(code, 3, err, words + ["is damaged", "echo step-00000002 >"])
+    assert_clear_failure(code, 3, err, words + ["echo step-00000002 >"])
     assert "Loading weights" not in err  # refused before the target loaded
     assert "stopped:" in RunDir(out).log.read_text()
 
@@ -194,6 +194,24 @@ def test_two_processes_resuming_a_changed_shard_exit_3_and_say_it_once(sharded_r
     run = subprocess.run([sys.executable, "-c", "import sys; from dflash.cli import train_main; sys.exit(train_main())",
                           *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     text = run.stdout + run.stderr
-    assert_clear_failure(run.returncode, 3, text, ["__0_0.distcp changed since it was written"])
+    assert_clear_failure(run.returncode, 3, text, ["__0_0.distcp is damaged (it changed since it was written"])
     assert text.count("stopped:") == 1 and text.count("dflash train: error:") == 1, text[-3000:]  # rank 0 only
     assert "Loading weights" not in text
+
+
+def test_a_flipped_byte_in_a_full_checkpoints_weights_is_refused(tmp_path, sharded_run, capsys):
+    """--layout replicate's checkpoint (whole files, one writer): bytes changed inside the drafter's tensor
+    data still parse as safetensors; the manifest names the file before the target loads."""
+    out = tmp_path / "full"
+    args = train_args(sharded_run["target"], sharded_run["data"], out, max_steps=2, save_every=1)
+    assert train_main(args) == 0
+    weights = ckpt.latest_checkpoint(RunDir(out).checkpoints) / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-16:-8] = bytes(b ^ 0x55 for b in data[-16:-8])  # inside the last tensor's values
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    code = train_main(args + ["--resume"])
+    err = capsys.readouterr().err
+    assert_clear_failure(code, 3, err, ["drafter/model.safetensors is damaged (it changed since it was written",
+                                        "echo step-00000001 >"])
+    assert "Loading weights" not in err
