@@ -82,8 +82,8 @@ def run_eval(args: argparse.Namespace) -> int:
     results = {"drafter": evaluate(target, drafter, prompts, args.max_new_tokens, **options)}
     for other in args.compare:  # a target tapped at its own layers (they may differ from --drafter's)
         _, compared = load_checked(args.target, other, configs[other], device=target.device)
-        results[f"{compared.kind} {Path(other).name}"] = evaluate(target, compared, prompts, args.max_new_tokens,
-                                                                  **options)
+        results[_row_name(results, compared.kind, other)] = evaluate(target, compared, prompts,
+                                                                     args.max_new_tokens, **options)
     if args.baselines:
         for name, kind in (("untrained drafter", "untrained"), ("repeat last token", "repeat_last")):
             results[name] = evaluate_baseline(target, prompts, args.max_new_tokens, kind=kind,
@@ -94,3 +94,15 @@ def run_eval(args: argparse.Namespace) -> int:
             print(f"acceptance per draft position, {name}: "
                   + " ".join(f"{a:.2f}" for a in results[name]["accept_per_pos"]))
     return 1 if any(r.get("lossless") is False for r in results.values()) else 0
+
+
+def _row_name(results: dict, kind: str, directory: str) -> str:
+    """The row of a --compare drafter: its kind and directory name ("dflash2 drafter"); the path as given when
+    another row has that name (two runs' `drafter/` of one kind), then `#k` (one directory given twice)."""
+    for name in (f"{kind} {Path(directory).name}", f"{kind} {directory}"):
+        if name not in results:
+            return name
+    k = 2
+    while f"{kind} {directory} #{k}" in results:
+        k += 1
+    return f"{kind} {directory} #{k}"

@@ -131,3 +131,21 @@ def test_dflash_eval_compares_a_dflash_and_a_dflash2_drafter_on_the_same_prompts
     assert list(results) == ["drafter", "dflash2 drafter"]
     for r in results.values():
         assert r["lossless"] is True and len(r["accept_per_pos"]) == 3 and r["n_prompts"] == 2
+
+
+def test_two_drafters_of_one_kind_get_a_row_each(run, capsys):
+    """Two drafter/ directories of one kind (here one given twice) keep a row each: the second is named by its
+    path (they were keyed by kind and directory name, so one row replaced the other)."""
+    from dflash.cli import eval_main
+
+    second = run / "second"
+    assert train_main(train_args(run / "target", run / "chat.jsonl", second, max_steps=1, target_layer_ids="0,1,2",
+                                 drafter_layers=2, sliding_window=3)) == 0
+    capsys.readouterr()
+    same = str(second / "drafter")
+    assert eval_main(["--target", str(run / "target"), "--drafter", str(run / "run" / "drafter"), "--compare", same,
+                      "--compare", str(run / "run" / "drafter"), "--compare", same, "--data", str(run / "chat.jsonl"),
+                      "--limit", "1", "--max-new-tokens", "4", "--no-baselines", "--device", "cpu", "--json"]) == 0
+    rows = list(json.loads(capsys.readouterr().out))
+    assert len(rows) == 4 and len(set(rows)) == 4, rows
+    assert rows == ["drafter", "dflash drafter", "dflash2 drafter", f"dflash {same}"]  # the last was keyed away
