@@ -97,8 +97,10 @@ def _header(B: int, T: int) -> torch.Tensor:
 
 
 def _status(stop) -> torch.Tensor:
-    """A stage's stop status: 0, or the number of the signal that set its StopFlag."""
-    return torch.tensor([signal.Signals[stop.reason].value if stop else 0], dtype=torch.long)
+    """A stage's stop status: 0, or the number of the signal that set its StopFlag (SIGTERM's for a stop
+    requested another way)."""
+    code = signal.Signals.__members__.get(stop.reason, signal.SIGTERM).value if stop else 0
+    return torch.tensor([code], dtype=torch.long)
 
 
 def serve_stage(stage_target: StageTarget, rank_of_stage: list[int], drafter_ranks: list[int],
