@@ -12,14 +12,12 @@ the transport). The trainer turns each into the error a user can act on:
 
 from __future__ import annotations
 
-import errno
-
 from dflash.errors import RankLostError
+from dflash.train.checkpoint import DISK_ERRNOS
 
 # what gloo and NCCL say when the other end of a collective is gone (a killed, crashed or exited peer)
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
               "socket closed", "remote process exited", "nccl communicator was aborted")
-_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def causes(exc: BaseException) -> list[tuple[int | None, BaseException]]:
@@ -50,7 +48,7 @@ def summary(exc: BaseException) -> str:
 
 def disk_cause(exc: BaseException) -> OSError | None:
     """The disk error (full, over quota, read-only) underneath `exc`, if that is what it is."""
-    return next((e for _, e in causes(exc) if isinstance(e, OSError) and e.errno in _DISK_ERRNOS), None)
+    return next((e for _, e in causes(exc) if isinstance(e, OSError) and e.errno in DISK_ERRNOS), None)
 
 
 def is_peer_lost(exc: BaseException) -> bool:
