@@ -6,7 +6,8 @@ import, to the installed package (fla, causal-conv1d) or to its torch reference.
 the device, so with fla installed a CPU forward reaches Triton and dies ("0 active drivers"); 5.25
 added the device check. `route_kernels_by_device` applies the same rule here: CUDA tensors take the
 resolved kernel, anything else the torch reference. `kernel_functions` is the one reader of that
-dispatch, used by the target's kernel report and the doctor's dispatch check.
+dispatch, used by the target's kernel report and the doctor's dispatch check. The convolution and the
+chunked delta rule also keep packed sequences apart (dflash.model.segment_kernels).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from dflash.model.segment_kernels import SEGMENT_ROUTERS
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ def _closure(fn: Callable) -> dict:
 
 def _kernel_wrapper_state(fn: Callable) -> dict | None:
     """The closure of transformers' fallback wrapper inside `fn`, following `__wrapped__` through
-    outer wrappers (a hub-kernels decorator, or `_device_router`), or None."""
+    outer wrappers (a hub-kernels decorator, `_device_router`, a segment router), or None."""
     seen = 0
     while fn is not None and seen < 8:
         if inspect.isfunction(fn):
@@ -106,8 +109,16 @@ def _device_router(wrapper: Callable, torch_function: Callable) -> Callable:
 
 
 def route_kernels_by_device(module: ModuleType) -> None:
-    """Make `module`'s kernel functions send non-CUDA tensors to their torch reference (idempotent)."""
+    """Make `module`'s kernel functions send non-CUDA tensors to their torch reference (idempotent).
+
+    The convolution and the chunked delta rule are routed whether or not their kernel resolved: they also
+    keep packed sequences apart (seq_idx / cu_seqlens), on the kernel or, one sequence at a time, on the
+    reference (dflash.model.segment_kernels)."""
     for fn in kernel_functions(module):
         current = getattr(module, fn.attr)
-        if fn.fast and not getattr(current, "__dflash_routed__", False):
+        if getattr(current, "__dflash_routed__", False):
+            continue
+        if fn.name in SEGMENT_ROUTERS:
+            setattr(module, fn.attr, SEGMENT_ROUTERS[fn.name](current, fn.torch_function, fn.implementation, fn.fast))
+        elif fn.fast:
             setattr(module, fn.attr, _device_router(current, fn.torch_function))

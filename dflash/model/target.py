@@ -11,6 +11,11 @@ layers) and Qwen3 are first-class; anything `AutoModelForCausalLM` loads with a 
 
 The GatedDeltaNet kernels the target's layers dispatch to are read and routed by dflash.model.kernels;
 `kernel_report` says which one each function gets.
+
+Packed rows (dflash.model.segments) run through transformers' packed-sequence interface: position ids
+restarting per sequence, from which the full-attention layers' mask becomes block-diagonal causal (sdpa and
+eager; flash attention reads the cu_seq_lens/max_length arguments), and seq_idx / cu_seqlens, with which
+the GatedDeltaNet convolution and delta rule restart at every sequence (dflash.model.segment_kernels).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from dflash.errors import TargetError
 from dflash.model.kernels import kernel_functions, route_kernels_by_device
+from dflash.model.segments import Segments
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +220,14 @@ def _resolve_mask_token(tokenizer, model_type: str, vocab_rows: int, mask_token)
     return int(token_id)
 
 
+def packed_decoder_kwargs(segments: Segments) -> dict:
+    """transformers' packed-sequence arguments of a decoder pass over `segments`' rows: positions restarting
+    per sequence, the flash-attention varlen lengths over the flattened B*T, seq_idx for the convolution."""
+    return {"position_ids": segments.position_ids, "seq_idx": segments.seq_idx,
+            "cu_seq_lens_q": segments.cu_seqlens, "cu_seq_lens_k": segments.cu_seqlens,
+            "max_length_q": segments.max_seqlen, "max_length_k": segments.max_seqlen}
+
+
 class Target:
     """A frozen causal LM with tapped layers. Build it with `Target.load(path)`."""
 
@@ -291,9 +305,24 @@ class Target:
         plain = isinstance(self._head, torch.nn.Linear) and self._head.bias is None
         return self._head.weight if plain else None
 
-    def _run(self, input_ids, attention_mask=None, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _packed_kwargs(self, input_ids, attention_mask, segments: Segments, cache_kwargs: dict) -> dict:
+        """The decoder's packed-sequence arguments for `segments`: positions restarting per sequence (the
+        full-attention layers' mask becomes block-diagonal causal from them, and RoPE restarts), the
+        flash-attention varlen lengths over the flattened B*T, and seq_idx for the convolution."""
+        if cache_kwargs:
+            raise TargetError("packed segments run without a cache: pass segments to context(), not to a cached pass")
+        if attention_mask is not None:
+            raise TargetError("pass segments OR attention_mask, not both: a pack's padding is a segment of its own "
+                              "and needs no mask, and a 2-D mask would turn off the per-sequence attention mask")
+        if tuple(segments.shape) != tuple(input_ids.shape):
+            raise TargetError(f"segments describe {tuple(segments.shape)} tokens, input_ids are {tuple(input_ids.shape)}")
+        return {**packed_decoder_kwargs(segments.to(input_ids.device)), "use_cache": False}
+
+    def _run(self, input_ids, attention_mask=None, segments: Segments | None = None,
+             **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder pass: ([B,T,H] last hidden after the final norm, [B,T,k*H] tapped states).
-        cache_kwargs (none: no cache) continue a transformers cache (dflash.target_cache builds them)."""
+        segments (dflash.model.segments) keep the sequences of packed rows apart; cache_kwargs (none: no
+        cache) continue a transformers cache (dflash.target_cache builds them). Not both."""
         captured: dict[int, torch.Tensor] = {}
 
         def keep(layer_id):
@@ -301,10 +330,13 @@ class Target:
                 captured[layer_id] = output[0] if isinstance(output, tuple) else output
             return hook
 
+        if segments is not None:
+            extra = self._packed_kwargs(input_ids, attention_mask, segments, cache_kwargs)
+        else:
+            extra = cache_kwargs or {"use_cache": False}
         handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
         try:
-            out = self._decoder(input_ids=input_ids, attention_mask=attention_mask,
-                                **(cache_kwargs or {"use_cache": False}))
+            out = self._decoder(input_ids=input_ids, attention_mask=attention_mask, **extra)
         finally:
             for handle in handles:
                 handle.remove()
@@ -312,9 +344,11 @@ class Target:
         return out.last_hidden_state, context
 
     @torch.no_grad()
-    def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B,T] ids (+ [B,T] attention mask) -> [B,T,len(layer_ids)*H]: tapped layers' outputs, concatenated."""
-        return self._run(input_ids, attention_mask)[1]
+    def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                segments: Segments | None = None) -> torch.Tensor:
+        """[B,T] ids (+ [B,T] attention mask, or the Segments of packed rows) -> [B,T,len(layer_ids)*H]: tapped
+        layers' outputs, concatenated. With segments every packed sequence's states are those it has alone."""
+        return self._run(input_ids, attention_mask, segments)[1]
 
     @torch.no_grad()
     def forward_cached(self, input_ids: torch.Tensor, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:

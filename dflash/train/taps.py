@@ -55,8 +55,8 @@ class TargetView:
         h = context.shape[-1] // len(self._target.layer_ids)
         return torch.cat([context[..., p * h:(p + 1) * h] for p in self._where], dim=-1)
 
-    def context(self, input_ids, attention_mask=None) -> torch.Tensor:
-        return self.select(self._target.context(input_ids, attention_mask))
+    def context(self, input_ids, attention_mask=None, segments=None) -> torch.Tensor:
+        return self.select(self._target.context(input_ids, attention_mask, segments=segments))
 
     def forward_cached(self, input_ids, **cache_kwargs):
         last, context = self._target.forward_cached(input_ids, **cache_kwargs)
