@@ -16,7 +16,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-multi bench-drafter bench-flex bench-fit bench-plan bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-length-mix bench-multi bench-drafter bench-flex bench-fit bench-plan bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -58,6 +58,9 @@ bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a
 
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py
+
+bench-length-mix: venv  ## a mix of sequence lengths: padded batches vs packed rows, useful tokens/s, recompiles, step times, memory (27B shape on a GPU)
+	$(PY) bench/bench_length_mix.py
 
 bench-multi: venv  ## several drafters on one target pass: drafter-steps/s for K = 1, 2, 3 vs K separate runs, drafter forward profile (27B shape on a GPU)
 	$(PY) bench/bench_multi.py

@@ -3,6 +3,7 @@
     python bench/bench_train.py                       demo target, then a larger random Qwen3.5 hybrid
     python bench/bench_train.py --presets 27b --variants before,after --json out.json   (one H200)
     python bench/bench_train.py --presets large --hidden 4096 --layers 32 --vocab 248320
+    python bench/bench_train.py --lengths chat|FILE   a mix of lengths, padded against packed (bench_length_mix.py)
 
 Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized by --hidden/--layers/
 --vocab), 27b (a random target of Qwen3.5-27B's exact shape: 64 layers, hidden 5120, 26.9B parameters,
@@ -261,7 +262,18 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=None, help="large target vocabulary (default: 151936 GPU, 8192 CPU)")
     p.add_argument("--no-split", action="store_true", help="only the training loop (no phase-by-phase split)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    p.add_argument("--lengths", help="'chat' or a FILE: train on a mix of lengths, padded against packed, instead "
+                   "(bench/bench_length_mix.py, which takes the rest of the flags)")
+    args, rest = p.parse_known_args(argv)
+    if args.lengths:  # every flag but --lengths goes to the length-mix benchmark as given
+        from bench_length_mix import main as length_mix
+
+        given = list(sys.argv[1:] if argv is None else argv)
+        at = next(i for i, a in enumerate(given) if a == "--lengths" or a.startswith("--lengths="))
+        del given[at:at + (1 if "=" in given[at] else 2)]
+        return length_mix(([] if args.lengths == "chat" else ["--data", args.lengths]) + given)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     gpu = (args.device == "auto" and torch.cuda.is_available()) or args.device.startswith("cuda")
     # Under torchrun every rank builds its own target on its own GPU; only rank 0 reports.
     local_rank, main_rank = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("RANK", "0")) == 0

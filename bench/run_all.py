@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 NEEDS = {
     "bench-build": ("nvcc",),
     "bench-train": (),
+    "bench-length-mix": (),
     "bench-multi": (),
     "bench-drafter": ("gpu",),
     "bench-flex": ("gpu",),

@@ -58,6 +58,15 @@ class TrainConfig:
         if self.optim.max_tokens < self.model.max_length:
             raise ConfigError(f"--max-tokens {self.optim.max_tokens} is below --max-length {self.model.max_length}: "
                               "a full-length sequence would fit in no micro-batch. Raise --max-tokens.")
+        if self.optim.packing == "on":
+            self.check_pack_fits()
+
+    def check_pack_fits(self) -> None:
+        """Refuse packs shorter than --max-length (--packing on, or auto once the device says on)."""
+        if self.optim.pack_tokens < self.model.max_length:
+            raise ConfigError(f"--pack-tokens {self.optim.pack_tokens} is below --max-length {self.model.max_length}: "
+                              "a full-length sequence would fit in no pack. Raise --pack-tokens (or lower "
+                              "--max-length, or pass --packing off).")
 
     # --- derived ---------------------------------------------------------------------------------
     @property

@@ -48,6 +48,8 @@ SHARED_BECAUSE = {
     "max_length": "every drafter trains on the same tokenised sequences",
     "data": "every drafter trains on the same data", "target": "every drafter trains on the same target",
     "batch_size": "every drafter sees the same micro-batches", "max_tokens": "every drafter sees the same micro-batches",
+    "packing": "every drafter sees the same micro-batches", "pack_tokens": "every drafter sees the same micro-batches",
+    "pack_anchors": "every drafter's blocks come from the same packed rows",
     "grad_accum": "every drafter steps its optimizer after the same micro-batches",
     "seed": "it fixes the data order every drafter shares (each drafter's own init and anchors follow it "
             "exactly as in a run of that drafter alone)",

@@ -152,11 +152,17 @@ class OptimConfig(Section):
     batch_size: int = opt(4, "sequences per micro-batch, summed over all processes (split across ranks)")
     max_tokens: int = opt(16384, "padded tokens per micro-batch, summed over all processes (length buckets)")
     grad_accum: int = opt(1, "micro-batches per optimizer step (gradient accumulation)")
+    packing: str = opt("auto", "micro-batches of packed sequences: 'on' (each rank trains one row of --pack-tokens "
+                       "tokens holding whole sequences back to back, with --pack-anchors anchors: the same shapes "
+                       "every step), 'off' (length-bucketed padded batches of --batch-size / --max-tokens), "
+                       "'auto' (on on a GPU)", choices=("auto", "on", "off"))
+    pack_tokens: int = opt(8192, "tokens of one packed row, per rank (packing on); at least --max-length")
+    pack_anchors: int = opt(1024, "anchors (blocks) sampled per packed row (packing on), over all its sequences")
     seed: int = opt(0, "seed of the drafter init, the data order and the anchor sampling")
 
     def __post_init__(self) -> None:
         self._check_common()
-        self._at_least(1, "batch_size", "max_tokens", "grad_accum")
+        self._at_least(1, "batch_size", "max_tokens", "grad_accum", "pack_tokens", "pack_anchors")
         self._at_least(0, "epochs", "max_steps", "weight_decay", "grad_clip")
         if not (self.lr > 0):
             raise ConfigError(f"--lr is {self.lr}; it must be positive (the recipe uses 6e-4).")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.model.masks import drafter_attention_mask
+from dflash.model.segments import Segments
 
 ATTENTION = ("sdpa", "flex")
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -308,6 +309,7 @@ class Drafter(nn.Module):
         anchors: torch.Tensor,
         context_valid: torch.Tensor | None = None,
         anchor_valid: torch.Tensor | None = None,
+        segments: Segments | None = None,
     ) -> torch.Tensor:
         """Denoise N blocks per sequence in one pass.
 
@@ -315,6 +317,8 @@ class Drafter(nn.Module):
         block_embeds:  [B,N*bs,H] target embeddings of [anchor, MASK x (bs-1)] for each block
         anchors:       [B,N] long, anchor positions (block n's token k sits at anchors[:, n] + k)
         context_valid: [B,T] bool or None;  anchor_valid: [B,N] bool or None
+        segments:      the sequences of packed rows (dflash.model.segments), or None (one sequence a row):
+                       RoPE positions restart at every sequence and a block sees its own sequence only
         returns        [B,N*bs,H] hidden states after the final norm; logits = target.lm_head(hidden)
         """
         c = self.config
@@ -329,14 +333,21 @@ class Drafter(nn.Module):
         ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))         # [B,T,H]
         x = block_embeds.to(ctx.dtype)
 
-        block_pos = (anchors.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).reshape(B, N * bs)
-        ctx_pos = torch.arange(T, device=anchors.device).expand(B, T)
+        if segments is None:  # an anchor may sit past the context (decoding: the last accepted token)
+            ctx_pos, context_start, anchor_pos = torch.arange(T, device=anchors.device).expand(B, T), None, anchors
+        else:
+            if segments.shape != (B, T):
+                raise ValueError(f"segments describe {segments.shape} tokens, the context is [{B},{T}]")
+            ctx_pos, context_start = segments.position_ids, torch.gather(segments.starts, 1, anchors)
+            anchor_pos = torch.gather(ctx_pos, 1, anchors)
+        block_pos = (anchor_pos.unsqueeze(-1) + torch.arange(bs, device=anchors.device)).reshape(B, N * bs)
         rope_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, x.dtype)
         rope_kv = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), c.head_dim, c.rope_theta, x.dtype)
         masks = {}  # one per layer type in use: full_attention, sliding_attention (masks.py)
         for kind in dict.fromkeys(c.layer_types):
             window = c.sliding_window if kind == SLIDING else None
-            mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid, sliding_window=window)
+            mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid, sliding_window=window,
+                                          context_start=context_start)
             masks[kind] = ((flex_block_mask(mask), flex_kernel_options(mask.device, c.head_dim))
                            if self.attention == "flex" else mask.unsqueeze(1))
 
@@ -347,7 +358,12 @@ class Drafter(nn.Module):
     def compile_layers(self) -> "Drafter":
         """Compile each decoder layer with torch.compile (regional compilation: the five layers share one
         compiled graph; norms, RoPE, SiLU x up and the residual adds fuse into a few kernels, flex
-        attention is traced in). Module and tensor names are unchanged, so checkpoints are too."""
+        attention is traced in). Module and tensor names are unchanged, so checkpoints are too.
+
+        Static shapes (dynamic=False): packed rows (dflash.data.packs) have one shape, compiled once; padded
+        batches compile each new shape (up to dynamo's recompile limit, then the layer runs uncompiled).
+        Never dynamic: inductor's dynamic-shape backward of this layer fails on a GPU at the second shape
+        (torch 2.11: "shape '[2048, 256]' is invalid for input of size 1024")."""
         for layer in self.layers:
-            layer.compile(dynamic=None)
+            layer.compile(dynamic=False)
         return self

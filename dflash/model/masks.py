@@ -30,7 +30,10 @@ Rules (x = may attend):
   3. blocks never see each other;
   4. an invalid anchor (anchor_valid False: padding of the anchor list) sees only its own block, so its
      rows stay finite (no all-masked softmax row) and its outputs are ignored by the loss;
-  5. sliding_attention (window W): rules 1, 3 and 4 hold, and a query at position p = a_n + k only sees
+  5. packed sequences (context_start given): block n also sees context position j only if
+     j >= context_start[n], the first position of its anchor's own sequence (dflash.model.segments), so a
+     block never reads another sequence of its pack;
+  6. sliding_attention (window W): rules 1, 3, 4 and 5 hold, and a query at position p = a_n + k only sees
      keys at positions p-W+1 .. p, so inside the block it is causal (block token kk only if kk <= k)
      and the context is cut to j >= p-W+1. This is the window of HF `sliding_window` (it counts the
      query itself) and what the serving engines run for a `sliding_attention` draft layer: SGLang
@@ -50,6 +53,7 @@ def drafter_attention_mask(
     context_valid: torch.Tensor | None = None,
     anchor_valid: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    context_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask [B, N*bs, T + N*bs], True = may attend (rules in the module docstring).
 
@@ -59,6 +63,7 @@ def drafter_attention_mask(
     context_valid:  [B,T] bool (False on padding), or None = all valid
     anchor_valid:   [B,N] bool, or None = all valid
     sliding_window: W for a sliding_attention layer (keys at p-W+1 .. p), None for full_attention
+    context_start:  [B,N] long, the first context position of each anchor's sequence (packed rows), or None
     """
     if anchors.dim() != 2:
         raise ValueError(f"anchors must be [B,N], got shape {tuple(anchors.shape)}")
@@ -79,6 +84,10 @@ def drafter_attention_mask(
     j = torch.arange(T, device=device)
     sees_context = (j.view(1, 1, T) < anchors.unsqueeze(-1)) & context_valid.bool().unsqueeze(1)
     sees_context = sees_context & anchor_valid.bool().unsqueeze(-1)
+    if context_start is not None:
+        if context_start.shape != (B, N):
+            raise ValueError(f"context_start must be [B,N]={B, N}, got {tuple(context_start.shape)}")
+        sees_context = sees_context & (j.view(1, 1, T) >= context_start.unsqueeze(-1))
     sees_context = sees_context.repeat_interleave(block_size, dim=1)              # [B,N*bs,T]
 
     # Block part [N*bs,N*bs]: block-diagonal, the same for every sequence.

@@ -37,6 +37,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch per rank")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--anchors", type=int, default=512, help="anchors (blocks) per sequence")
+    p.add_argument("--pack-tokens", type=int, default=0, help="a packed run (dflash-train --packing on, the GPU "
+                   "default): one row of this many tokens per rank, instead of --batch-size x --seq-len")
+    p.add_argument("--pack-anchors", type=int, default=1024, help="with --pack-tokens: anchors per packed row")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--sliding-window", type=int, default=0)
@@ -74,6 +77,12 @@ def _check(args) -> None:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} {value}: {what} must be at least {least}; pass {flag} {least} or more "
                               f"(default {defaults.get_default(name)})")
+    if args.pack_tokens and not args.pack_tokens >= 2 * args.block_size:
+        raise ConfigError(f"--pack-tokens {args.pack_tokens}: a packed row needs at least 2 x --block-size tokens; "
+                          "pass the run's --pack-tokens (8192 by default)")
+    if args.pack_tokens and not 1 <= args.pack_anchors <= args.pack_tokens // 2:
+        raise ConfigError(f"--pack-anchors {args.pack_anchors} with --pack-tokens {args.pack_tokens}: pass 1 to "
+                          f"{args.pack_tokens // 2} (anchors sit in the supervised tokens)")
     if args.anchors > args.seq_len // 2:
         raise ConfigError(f"--anchors {args.anchors} with --seq-len {args.seq_len}: anchors sit in the supervised "
                           f"tokens, at most about half of a sequence; use --anchors {args.seq_len // 2} or fewer")
@@ -149,7 +158,8 @@ def main(argv) -> int:
     target = target_shape(args.target)
     drafter = drafter_shape(target, layers=args.drafter_layers, block_size=args.block_size,
                             sliding_window=args.sliding_window)
-    mb = MicroBatch(args.batch_size, args.seq_len, args.anchors)
+    mb = (MicroBatch(1, args.pack_tokens, args.pack_anchors) if args.pack_tokens else
+          MicroBatch(args.batch_size, args.seq_len, args.anchors))
     if args.table:
         text, rows = _table(target, drafter, mb, args)
         print(json.dumps({"micro_batch": vars(mb), "rows": rows}, indent=2) if args.json else text)

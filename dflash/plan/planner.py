@@ -159,31 +159,48 @@ def run_shapes(config, target_path) -> tuple[TargetShape, DrafterShape, MicroBat
     return target, drafter, MicroBatch(batch=1, seq_len=model.max_length, anchors=model.max_anchors)
 
 
-def check_training_fits(config, world: int, card_gb: float | None, layout: str | None = None) -> None:
+def worst_micro_batches(config, world: int, packed: bool) -> list[MicroBatch]:
+    """The per-rank micro-batches check_training_fits checks (its docstring): one when packed, two padded."""
+    model, optim = config.model, config.optim
+    if packed:
+        return [MicroBatch(1, optim.pack_tokens, optim.pack_anchors)]
+    per_rank = max(1, -(-optim.batch_size // world))
+    # the most padded tokens a rank's share can hold: B sequences of at most max_tokens // B tokens each
+    tokens = max(-(-b // world) * min(model.max_length, optim.max_tokens // b) for b in range(1, optim.batch_size + 1))
+    long = MicroBatch(max(1, min(per_rank, tokens // model.max_length)), model.max_length, model.max_anchors)
+    seq = max(2, min(model.max_length, -(-tokens // per_rank)))
+    short = MicroBatch(per_rank, seq, max(1, min(model.max_anchors, seq - 1)))
+    return [long, short] if short != long else [long]
+
+
+def check_training_fits(config, world: int, card_gb: float | None, layout: str | None = None,
+                        packed: bool | None = None) -> None:
     """Refuse (TrainError) a run whose layout the memory model says will not fit `card_gb` per rank, naming
     the layout and micro-batch that would. `card_gb` None (a CPU run) or --no-memory-check: no check.
 
-    The micro-batch checked is the largest one a rank can get: --batch-size sequences split over the ranks
-    (at least one) of --max-length tokens, with --max-anchors anchors each, capped by --max-tokens.
+    Packed (--packing on, or auto on a GPU): every micro-batch is one row of --pack-tokens tokens with
+    --pack-anchors anchors, so that one shape is the one checked. Padded: the largest micro-batch the data order
+    can form, the worse of two: the long one (--batch-size sequences split over the ranks, at least one, of
+    --max-length tokens, capped by --max-tokens) and the short one (every sequence a rank may get, each of the
+    length that fills --max-tokens, each with its --max-anchors anchors: anchors are bounded per sequence).
     """
     from pathlib import Path
 
     layout = layout or config.runtime.layout
+    packed = config.optim.packing == "on" if packed is None else packed
     if card_gb is None or not getattr(config.runtime, "memory_check", True):
         return
     target_path = config.io.target
     if not target_path or not (Path(target_path) / "config.json").is_file():
         return  # the demo, a Hub id: the shape is only known once loaded
-    target, drafter, mb = run_shapes(config, target_path)
-    optim = config.optim
-    per_rank = max(1, -(-optim.batch_size // world))
-    per_rank = max(1, min(per_rank, optim.max_tokens // world // mb.seq_len or 1))
-    mb = MicroBatch(per_rank, mb.seq_len, mb.anchors)
+    target, drafter, _longest = run_shapes(config, target_path)
     card = Card(f"{card_gb:.1f} GB visible", card_gb, CARDS["h200"].bf16_tflops, CARDS["h200"].link_gbps)
     precision = "fp32" if config.runtime.precision == "fp32" else "bf16"
     # the run's split (--target-stages, 0: half the ranks), never the search `option` makes for target_stages 0
     stages = pipeline_stages(world, config.runtime.target_stages) if layout == "pipeline" else 0
-    chosen = option(target, drafter, mb, layout, world, card, precision=precision, target_stages=stages)
+    checked = [(mb, option(target, drafter, mb, layout, world, card, precision=precision, target_stages=stages))
+               for mb in worst_micro_batches(config, world, packed)]
+    mb, chosen = next(((m, o) for m, o in checked if not o.fits), checked[0])
     if chosen.fits:
         return
     peak = worst(chosen.ranks) if chosen.ranks else None
@@ -193,7 +210,9 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     hints = []
     smaller = largest_fitting_micro_batch(target, drafter, mb, layout, world, card, precision=precision,
                                           target_stages=stages) if chosen.ranks else None
-    if smaller:
+    if smaller and packed:
+        hints.append(f"--layout {layout} with {smaller.anchors} anchors per pack fits (--pack-anchors {smaller.anchors})")
+    elif smaller:
         hints.append(f"--layout {layout} with {smaller.anchors} anchors per sequence and {smaller.batch} sequence(s) "
                      f"per rank fits (--max-anchors {smaller.anchors}, --batch-size {smaller.batch * world})")
     others = [o for o in plan(target, drafter, mb, card, world, precision=precision)[0] if o.fits and o.layout != layout]

@@ -43,12 +43,15 @@ from dflash import distributed
 from dflash.train.blocks import sample_anchors
 from dflash.config import TrainConfig
 from dflash.data.batches import collate, make_batches
+from dflash.data.packs import make_packs
+from dflash.train.pack_batches import pack_micro_batch, rank_pack
 from dflash.errors import ConfigError
 from dflash.train.step import micro_batch_sums, summarize
 
 log = logging.getLogger("dflash.train")
 
 EVAL_ANCHOR_SEED = 2**31 - 1  # the evaluation's anchors are the same at every evaluation
+EVAL_EPOCH = -1  # packed: the epoch the evaluation's pack anchors are seeded with (never a training epoch)
 
 
 def split_items(items: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -83,17 +86,35 @@ def prompt_of(item: dict) -> list[int]:
     return item["input_ids"][:end].tolist()
 
 
+def _packed_sums(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist, pad_id: int,
+                 autocast_dtype: torch.dtype) -> torch.Tensor | None:
+    """The split's sums in packs of the training shape, a pack per rank per round (a rank past the last pack
+    runs a zero-weight stand-in, so every rank runs the drafter as often: a sharded one gathers each time)."""
+    optim, totals = config.optim, None
+    packs = make_packs([len(it["input_ids"]) for it in items], optim.pack_tokens, optim.seed, epoch=0)
+    for start in range(0, len(packs), d.world_size):
+        mine, chosen, _stand_in = rank_pack(packs[start:start + d.world_size], items, d.rank)
+        batch, anchors, _counted = pack_micro_batch(config, EVAL_EPOCH, mine, chosen, pad_id, d.device)
+        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=config.model.block_size,
+                                gamma=config.model.gamma, autocast_dtype=autocast_dtype,
+                                n_anchors=optim.pack_anchors).pack()
+        totals = sums if totals is None else totals + sums
+    return totals
+
+
 @torch.no_grad()
 def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist,
-                   pad_id: int, autocast_dtype: torch.dtype) -> dict:
+                   pad_id: int, autocast_dtype: torch.dtype, packed: bool = False) -> dict:
     """Loss, accuracy and per-position acceptance of the bare `drafter` on `items` (every rank
-    takes its share of each batch; the sums are added over ranks)."""
+    takes its share of each batch, or its pack when `packed`; the sums are added over ranks)."""
     was_training = drafter.training
     drafter.eval()
     totals = None
     lengths = [len(it["input_ids"]) for it in items]
     bs, optim = config.model.block_size, config.optim
-    for batch_ids in make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
+    if packed:
+        totals = _packed_sums(config, drafter, target, items, d, pad_id, autocast_dtype)
+    for batch_ids in [] if packed else make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
         mine = distributed.shard(batch_ids, d)
         if not mine:
             continue
@@ -164,10 +185,11 @@ class SplitEvaluator:
     d: distributed.Dist
     pad_id: int
     autocast_dtype: torch.dtype
+    packed: bool = False  # the split in packs of the training shape (dflash.data.packs)
 
     def __call__(self) -> dict:
         args = (self.config, self.drafter, self.target, self.items)
-        m = evaluate_split(*args, self.d, self.pad_id, self.autocast_dtype)
+        m = evaluate_split(*args, self.d, self.pad_id, self.autocast_dtype, self.packed)
         if self.config.watch.eval_tau_prompts and self.d.is_main:
             m.update(measured_tau(*args, self.pad_id, self.autocast_dtype))
         return m

@@ -136,8 +136,9 @@ def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist, com
         fully_shard(layer, mesh=mesh, **extra)
     fully_shard(drafter, mesh=mesh, **extra)
     if compile:
+        # static shapes, as Drafter.compile_layers says why
         for layer in drafter.layers:
-            layer.forward = torch.compile(layer.forward, dynamic=None)
+            layer.forward = torch.compile(layer.forward, dynamic=False)
     return drafter
 
 

@@ -39,6 +39,7 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs, write_plan
 from dflash.data.batches import collate, load_items
+from dflash.train.pack_batches import pack_micro_batch, rank_pack
 from dflash.errors import SAID_BY_RANK_0, CheckpointError, ConfigError, DflashError
 from dflash.model.dflash2 import dflash2_extra_params
 from dflash.train import checkpoint as ckpt
@@ -198,12 +199,22 @@ class MultiTrainer:
         totals: dict[str, torch.Tensor] = {}
         for k in range(accum):
             epoch, indices = self.first.order.next()
-            mine, items = self.first._shard(indices)
-            batch = {key: v.to(self.d.device) for key, v in collate(items, self.first.pad_id).items()}
-            context = self.target.context(batch["input_ids"], batch["attention_mask"])
+            if self.first.packed:  # this rank's pack and its anchors, the same for every drafter
+                mine, items, _stand_in = rank_pack(indices, self.first.items, self.d.rank)
+                batch, pack_anchors, counted = pack_micro_batch(self.config, epoch, mine, items, self.first.pad_id,
+                                                                self.d.device)
+                context = self.target.context(batch["input_ids"], segments=batch["segments"])
+            else:
+                mine, items = self.first._shard(indices)
+                batch = {key: v.to(self.d.device) for key, v in collate(items, self.first.pad_id).items()}
+                context = self.target.context(batch["input_ids"], batch["attention_mask"])
             for name, lane in self.lanes.items():
                 with self._own_rng(name):
-                    anchors = lane._anchors(epoch, mine, items)
+                    if self.first.packed:
+                        anchors = pack_anchors
+                        lane.monitor.count(items, counted)
+                    else:
+                        anchors = lane._anchors(epoch, mine, items)
                     mine_context = lane.target.select(context) if isinstance(lane.target, TargetView) else context
                     sums = lane._micro_step(batch, anchors, sync=k == accum - 1, context=mine_context)
                 totals[name] = sums.pack() if name not in totals else totals[name] + sums.pack()

@@ -9,7 +9,9 @@ drafter ranks come first, so rank 0 is the one that logs, as under every layout)
                      count; stage 0 also the embedding). No drafter, no optimizer, no data.
 
 One micro-batch (each drafter rank j holds its share of the global micro-batch, as under the other layouts):
-    drafter j -> every stage   header [B, T] (int64), then input_ids [B,T] and attention_mask [B,T] (int64)
+    drafter j -> every stage   header [B, T, S] (int64), then input_ids [B,T] and attention_mask [B,T] (int64);
+                               packed rows (S > 0): then their segments, positions / seq_idx / starts [3,B,T]
+                               and cu_seqlens [S] (int64), and the stages run them as Target.context does
     stage s                    stage 0 embeds the ids; stage s > 0 receives the hidden states [B,T,H]
                                (target dtype) from stage s-1; runs its layers, keeps its tapped layers'
                                outputs, sends the hidden states on to stage s+1 (all but the last stage)
@@ -70,8 +72,10 @@ class StageTarget:
         self.taps = [i for i in target.layer_ids if self.start <= i < self.stop]
 
     @torch.no_grad()
-    def run(self, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor | None):
-        """(hidden after this stage's last layer [B,T,H], its tapped outputs [B,T,n*H] or None)."""
+    def run(self, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor | None, segments=None):
+        """(hidden after this stage's last layer [B,T,H], its tapped outputs [B,T,n*H] or None); `segments`:
+        packed rows, run through the decoder's packed-sequence arguments (no mask)."""
+        from dflash.model.target import packed_decoder_kwargs
         captured: dict[int, torch.Tensor] = {}
 
         def keep(layer_id):
@@ -84,7 +88,11 @@ class StageTarget:
         handles = [layers[i].register_forward_hook(keep(i)) for i in wanted]
         try:
             inputs = {"input_ids": ids} if hidden is None else {"inputs_embeds": hidden}
-            self.target._decoder(attention_mask=attn, use_cache=False, **inputs)
+            if segments is not None:
+                inputs.update(packed_decoder_kwargs(segments), attention_mask=None)
+            else:
+                inputs["attention_mask"] = attn
+            self.target._decoder(use_cache=False, **inputs)
         finally:
             for handle in handles:
                 handle.remove()
@@ -92,8 +100,21 @@ class StageTarget:
         return captured[self.stop - 1].contiguous(), taps
 
 
-def _header(B: int, T: int) -> torch.Tensor:
-    return torch.tensor([B, T], dtype=torch.long)
+def _header(B: int, T: int, S: int = 0) -> torch.Tensor:
+    return torch.tensor([B, T, S], dtype=torch.long)
+
+
+def _segments_wire(segments) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments as two int64 tensors: positions / seq_idx / starts [3,B,T] and cu_seqlens [S]."""
+    rows = torch.stack([segments.position_ids, segments.seq_idx.long(), segments.starts])
+    return rows, segments.cu_seqlens.long()
+
+
+def _segments_from_wire(rows: torch.Tensor, cu: torch.Tensor):
+    from dflash.model.segments import Segments
+
+    return Segments(position_ids=rows[0], seq_idx=rows[1].int(), starts=rows[2], cu_seqlens=cu.int(),
+                    max_seqlen=int((cu[1:] - cu[:-1]).max()))
 
 
 def _status(stop) -> torch.Tensor:
@@ -119,7 +140,7 @@ def serve_stage(stage_target: StageTarget, rank_of_stage: list[int], drafter_ran
                 continue
             head = _header(0, 0).to(comm)
             dist.recv(head, src=j)
-            B, T = (int(x) for x in head.tolist())
+            B, T, S = (int(x) for x in head.tolist())
             if B == 0:
                 done.add(j)
                 continue
@@ -127,12 +148,18 @@ def serve_stage(stage_target: StageTarget, rank_of_stage: list[int], drafter_ran
             attn = torch.empty(B, T, dtype=torch.long, device=comm)
             dist.recv(ids, src=j)
             dist.recv(attn, src=j)
+            segments = None
+            if S:
+                rows, cu = torch.empty(3, B, T, dtype=torch.long, device=comm), torch.empty(S, dtype=torch.long, device=comm)
+                dist.recv(rows, src=j)
+                dist.recv(cu, src=j)
+                segments = _segments_from_wire(rows.to(device), cu.to(device))
             hidden = None
             if s > 0:
                 hidden = torch.empty(B, T, H, dtype=dtype, device=comm)
                 dist.recv(hidden, src=rank_of_stage[s - 1])
                 hidden = hidden.to(device)
-            out, taps = stage_target.run(ids.to(device), attn.to(device), hidden)
+            out, taps = stage_target.run(ids.to(device), attn.to(device), hidden, segments)
             if not last:
                 out = out.to(comm)
                 pending.append((out, dist.isend(out, dst=rank_of_stage[s + 1])))
@@ -163,13 +190,15 @@ class PipelinedTarget:
         return getattr(self._target, name)
 
     @torch.no_grad()
-    def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                segments=None) -> torch.Tensor:
         B, T = input_ids.shape
         attn = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         ids, attn = input_ids.to(self._comm, torch.long), attn.to(self._comm, torch.long)
-        head, sends = _header(B, T).to(self._comm), []
+        wire = [] if segments is None else [t.to(self._comm) for t in _segments_wire(segments)]
+        head, sends = _header(B, T, wire[1].numel() if wire else 0).to(self._comm), []
         for r in self._rank_of_stage:
-            sends += [dist.isend(head, dst=r), dist.isend(ids, dst=r), dist.isend(attn, dst=r)]
+            sends += [dist.isend(t, dst=r) for t in (head, ids, attn, *wire)]
         H, parts = self._target.hidden_size, []
         for s in self._senders:
             part = torch.empty(B, T, self._widths[s] * H, dtype=self._target.dtype, device=self._comm)

@@ -15,6 +15,8 @@ Each failure is the same error, with the same message, that the full load would 
 
 from __future__ import annotations
 
+import torch
+
 from pathlib import Path
 
 from dflash.config import TrainConfig
@@ -172,9 +174,11 @@ def check_memory(config: TrainConfig, world_size: int, device, card_gb_for_tests
     the card's memory is what this process may use on `device` (None on a CPU: no check), or
     `card_gb_for_tests`, the seam through which a CPU test stands in a card of that size."""
     from dflash.plan.planner import check_training_fits, visible_card_gb
+    from dflash.train.setup import packing
 
     card_gb = card_gb_for_tests if card_gb_for_tests is not None else visible_card_gb(device)
-    check_training_fits(config, world_size, card_gb, getattr(config.runtime, "layout", "replicate"))
+    packed = packing(config, device if device is not None else torch.device("cpu"))
+    check_training_fits(config, world_size, card_gb, getattr(config.runtime, "layout", "replicate"), packed=packed)
 
 
 def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True, world_size: int = 1,

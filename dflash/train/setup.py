@@ -35,6 +35,15 @@ def compile_layers(config: TrainConfig, device: torch.device) -> bool:
     return config.runtime.compile == "on" or (config.runtime.compile == "auto" and device.type == "cuda")
 
 
+def packing(config: TrainConfig, device: torch.device) -> bool:
+    """--packing resolved for `device`: 'auto' packs on a GPU (fixed shapes: one compile, the same memory every
+    step); on a CPU the padded batches are the default. A pack shorter than --max-length is refused."""
+    on = config.optim.packing == "on" or (config.optim.packing == "auto" and device.type == "cuda")
+    if on:
+        config.check_pack_fits()
+    return on
+
+
 def auto_precision(device: torch.device) -> torch.dtype:
     """--precision auto on `device`: bf16 on a GPU, float32 elsewhere."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -94,11 +94,13 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
                      block_size: int, gamma: float | None, autocast_dtype: torch.dtype,
                      mark: Callable[[str], None] | None = None, keep_correct: bool = False,
                      fused_head: bool = True, context: torch.Tensor | None = None,
-                     selector_missing: str = "drop") -> StepSums:
+                     selector_missing: str = "drop", n_anchors: int | None = None) -> StepSums:
     """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
 
-    batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate); anchors: one
-    sorted [n_b] position tensor per row (dflash.blocks.sample_anchors). `drafter` may be the DDP
+    batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate), or packed rows
+    with their "segments" too (dflash.data.packs.collate_pack: the target, the blocks and the drafter keep
+    each sequence to itself); anchors: one sorted [n_b] position tensor per row (dflash.blocks.sample_anchors,
+    or sample_pack_anchors), `n_anchors` the fixed anchor count of packed rows. `drafter` may be the DDP
     wrapper. `mark(phase)` is called after "target forward" and after "drafter forward" (a benchmark
     synchronises and reads its clock there; training passes None). keep_correct also returns the
     per-block correct mask (dflash.train_eval's replay of greedy verification). fused_head=False (or a
@@ -109,17 +111,20 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
     the published variant).
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-    blocks = build_blocks(ids, loss_mask * attn, anchors, block_size, target.mask_token_id)
+    segments = batch.get("segments")
+    blocks = build_blocks(ids, loss_mask * attn, anchors, block_size, target.mask_token_id, n_anchors=n_anchors,
+                          seq_idx=None if segments is None else segments.seq_idx)
     B, N = blocks.anchors.shape
-    if context is None:
-        context = target.context(ids, attn)
+    if context is None:  # a packed row's padding tail is a segment of its own: no mask needed
+        context = target.context(ids, attn) if segments is None else target.context(ids, segments=segments)
+    packed = {} if segments is None else {"segments": segments}
     with torch.no_grad():
         block_embeds = target.embed(blocks.block_ids.view(B, N * block_size))
     if mark:
         mark("target forward")
     amp = torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32)
     with amp:
-        hidden = drafter(context, block_embeds, blocks.anchors, attn.bool(), blocks.anchor_valid)
+        hidden = drafter(context, block_embeds, blocks.anchors, attn.bool(), blocks.anchor_valid, **packed)
         # The LM head runs on the scored positions only, a chunk at a time (never the full
         # [anchors x block x vocab] logits).
         hidden = hidden.view(B, N, block_size, -1)

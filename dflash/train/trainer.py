@@ -30,6 +30,7 @@ from dflash import distributed
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.config import TrainConfig
 from dflash.data.batches import DataOrder, collate, data_fingerprint, item_lengths, load_items
+from dflash.data.packs import PackOrder
 from dflash.train.heartbeat import Heartbeat
 from dflash.errors import SAID_BY_RANK_0, CheckpointError, DflashError, TrainError
 from dflash.train.precheck import check_before_loading
@@ -39,7 +40,8 @@ from dflash.train.evaluation import SplitEvaluator, eval_split
 from dflash.train.flops import StepFlops
 from dflash.train.monitor import MonitorPlan, RunMonitor, claimed_run
 from dflash.train.rundir import RunDir
-from dflash.train.setup import attention_impl, compile_layers, drafter_config, load_target, pad_id, precision
+from dflash.train.pack_batches import pack_micro_batch, rank_pack
+from dflash.train.setup import attention_impl, compile_layers, drafter_config, load_target, pad_id, packing, precision
 from dflash.train.step import StepSums, backward, micro_batch_sums, oom_message, summarize
 
 log = logging.getLogger("dflash.train")
@@ -79,6 +81,11 @@ class Trainer:
         self.layout = config.runtime.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
         self.model = layouts.wrap_drafter(self.drafter, self.layout, d, compile=compile_layers(config, d.device))
         self.optimizer = layouts.optimizer(self.drafter, config, d)
+        self.packed = packing(config, d.device)  # packed rows of fixed shape (dflash.data.packs), or padded batches
+        if compile_layers(config, d.device) and not self.packed and d.is_main:
+            log.warning("--packing off with compiled drafter layers: every new batch shape compiles (a long step), "
+                        "and past dynamo's recompile limit the layers run uncompiled, with more memory than the "
+                        "memory check assumes; --packing on keeps one shape")
         self.fingerprint = data_fingerprint(items)
         self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
         self.order = self._data_order()
@@ -90,15 +97,17 @@ class Trainer:
         self.heartbeat = Heartbeat(every=config.runtime.heartbeat_every) if d.is_main else None
         # metrics.jsonl, log, trackers, evaluation: told what it needs once, then handed each step's record
         evaluate = SplitEvaluator(config, self.drafter, target, eval_items, d, self.pad_id,
-                                  self.autocast_dtype) if eval_items else None
+                                  self.autocast_dtype, self.packed) if eval_items else None
         plan = MonitorPlan(total_steps=self.total_steps, log_every=config.runtime.log_every,
                            eval_every=config.watch.eval_every, report_to=config.watch.report_to or [],
                            options=config.to_flat())
         self.monitor = RunMonitor(plan, self.run_dir, d, flops=StepFlops(target, self.drafter_config),
                                   evaluate=evaluate)
 
-    def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder:
+    def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder | PackOrder:
         optim = self.config.optim
+        if self.packed:  # one pack per rank in every global micro-batch
+            return PackOrder(self.lengths, optim.pack_tokens, self.d.world_size, optim.seed, epoch=epoch, index=index)
         return DataOrder(self.lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=epoch, index=index)
 
     # --- resume ------------------------------------------------------------------------------------
@@ -112,6 +121,11 @@ class Trainer:
                 "continue. Start it over with --overwrite instead of --resume, or give another --out.")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
         state = ckpt.load_state(last, map_location=self.d.device)
+        written = int(state.get("pack_tokens", 0))
+        if written != (self.config.optim.pack_tokens if self.packed else 0):
+            was = f"--packing on --pack-tokens {written}" if written else "--packing off"
+            raise CheckpointError(f"--resume: {last} was written by a run with {was}; its position in the data "
+                                  f"counts {'packs' if written else 'padded batches'}. Resume with {was}.")
         sharded_checkpoint.restore(last, state, self.layout, self.drafter, self.optimizer, self.d)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
@@ -124,7 +138,7 @@ class Trainer:
     def save(self) -> Path | None:
         path = None
         train_state = {**self.order.state(), "data_fingerprint": self.fingerprint, "world_size": self.d.world_size,
-                       "layout": self.layout}
+                       "layout": self.layout, "pack_tokens": self.config.optim.pack_tokens if self.packed else 0}
         if layouts.is_sharded(self.layout):  # every rank writes its shards
             path = sharded_checkpoint.save(self.run_dir.checkpoints, step=self.step, drafter=self.drafter,
                                            optimizer=self.optimizer, scheduler=self.scheduler, train_state=train_state,
@@ -160,8 +174,14 @@ class Trainer:
         self.monitor.count(items, anchors)
         return anchors
 
-    def _collate_shard(self, epoch: int, indices: list[int]) -> tuple[dict, list[torch.Tensor]]:
-        """This rank's share of a global micro-batch, collated, with each sequence's anchors."""
+    def _collate_shard(self, epoch: int, indices: list) -> tuple[dict, list[torch.Tensor]]:
+        """This rank's share of a global micro-batch, collated, with each sequence's anchors (packed: its
+        pack, with the pack's anchors; dflash.train.pack_batches)."""
+        if self.packed:
+            mine, items, _stand_in = rank_pack(indices, self.items, self.d.rank)
+            batch, anchors, counted = pack_micro_batch(self.config, epoch, mine, items, self.pad_id, self.d.device)
+            self.monitor.count(items, counted)
+            return batch, anchors
         mine, items = self._shard(indices)
         anchors = self._anchors(epoch, mine, items)
         batch = collate(items, self.pad_id)
@@ -177,7 +197,8 @@ class Trainer:
             with self.model.no_sync() if not sync and isinstance(self.model, DDP) else nullcontext():
                 sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
                                         gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context,
-                                        selector_missing=model.selector_missing)
+                                        selector_missing=model.selector_missing,
+                                        n_anchors=self.config.optim.pack_anchors if self.packed else None)
                 backward(sums, self.d, self.config.optim.grad_accum)
         except torch.OutOfMemoryError as exc:
             raise TrainError(oom_message(self.config, tuple(batch["input_ids"].shape),
@@ -296,9 +317,11 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             trainer = Trainer(config, target, items, d, stop, on_step, eval_items)
             if config.io.resume:
                 trainer.restore()
-            log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention",
+            batches = (f"packed rows of {config.optim.pack_tokens} tokens with {config.optim.pack_anchors} anchors"
+                       if trainer.packed else "padded length-bucketed batches")
+            log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention, %s",
                      trainer.total_steps, len(items), d.world_size, d.device, trainer.autocast_dtype,
-                     trainer.drafter.attention)
+                     trainer.drafter.attention, batches)
             result = trainer.run()
             getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop
             return result

@@ -73,3 +73,26 @@ def test_multi_drafter_benchmark_at_toy_size(tmp_path):
     assert all(r["step_s"] > 0 for r in result["rows"])
     assert result["profile"]["forward_ms"] > 0 and result["profile"]["top_kernels"]
     assert "aten::mm" in profile.read_text() and "vs K separate runs" in run.stdout
+
+
+@pytest.mark.slow  # two short training runs of a tiny random hybrid: ~40 s on 2 cores
+def test_length_mix_benchmark_runs_padded_and_packed_side_by_side(tmp_path):
+    """bench_train.py --lengths FILE (bench_length_mix.py) on lengths read from a file: both variants train on
+    them in one run and report useful tokens/s, recompiles and step times, and the ratio."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in (40, 120, 90, 33, 128, 64, 77, 100, 25, 110, 58, 128)) + "\n")
+    out = tmp_path / "mix.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--lengths", str(lengths),
+                          "--json", str(out), "--hidden", "64", "--layers", "2", "--vocab", "512",
+                          "--drafter-layers", "1", "--block-size", "4", "--steps", "2", "--warmup", "1",
+                          "--max-length", "128", "--max-tokens", "256", "--anchors", "8", "--pack-tokens", "256",
+                          "--pack-anchors", "16"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["lengths"]["n"] == 12
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows.keys() == {"padded", "packed"}
+    assert rows["packed"]["recompiles_after_first_step"] == 0
+    assert all(r["steps"] == 3 and r["useful_tokens_per_s"] > 0 for r in rows.values())
+    assert all(t <= 256 for t in rows["packed"]["tokens_per_step"])
+    assert "packed / padded useful tokens/s" in run.stdout

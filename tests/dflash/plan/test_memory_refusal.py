@@ -68,3 +68,47 @@ def test_the_checked_micro_batch_is_each_ranks_share(tiny, tmp_path):
                                     max_anchors=8))
     with pytest.raises(TrainError, match=r"a micro-batch of 1 x 96, 8 anchors/seq"):
         check_training_fits(tight, 2, card_gb=0.1, layout="shard")
+
+
+def test_padded_batches_are_checked_at_the_many_short_sequences_too(tiny, tmp_path):
+    """Anchors are bounded per sequence: --batch-size short sequences carry more drafter rows than the few long
+    ones that fill --max-tokens. The check takes both; a card between their peaks is refused, naming the short."""
+    from dflash.plan.planner import worst_micro_batches
+
+    target, data = tiny
+    config = train_config(train_args(target, data, tmp_path / "run", batch_size=8, max_tokens=192, max_length=96,
+                                     max_anchors=40, packing="off"))
+    long, short = worst_micro_batches(config, 1, packed=False)
+    assert (long.batch, long.seq_len, short.batch, short.seq_len) == (2, 96, 8, 24)
+    assert short.batch * short.anchors > long.batch * long.anchors
+    card = (_peak_gb(config, long) + _peak_gb(config, short)) / 2
+    assert _peak_gb(config, long) < card < _peak_gb(config, short)
+    with pytest.raises(TrainError, match=r"a micro-batch of 8 x 24, 23 anchors/seq"):
+        check_training_fits(config, 1, card, packed=False)
+
+
+def test_no_padded_micro_batch_the_data_order_forms_exceeds_what_was_checked(tmp_path):
+    """Every micro-batch of an epoch, over many length mixes: its drafter rows (anchors) and padded tokens stay
+    within the largest of the checked micro-batches."""
+    from hypothesis import given, settings, strategies as st
+
+    from dflash.config import TrainConfig
+    from dflash.data.batches import make_batches
+    from dflash.plan.planner import worst_micro_batches
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.integers(8, 96), min_size=1, max_size=120), st.integers(1, 12), st.integers(96, 600),
+           st.integers(1, 60), st.integers(1, 3))
+    def check(lengths, batch_size, max_tokens, max_anchors, world):
+        config = TrainConfig.from_flat(max_length=96, max_tokens=max_tokens, batch_size=batch_size,
+                                       max_anchors=max_anchors, block_size=4, packing="off")
+        checked = worst_micro_batches(config, world, packed=False)
+        rows = max(m.batch * m.anchors for m in checked)
+        tokens = max(m.batch * m.seq_len for m in checked)
+        for batch in make_batches(lengths, max_tokens, batch_size, seed=0, epoch=0):
+            for share in (batch[r::world] for r in range(world)):
+                if share:
+                    assert sum(min(max_anchors, lengths[i] - 1) for i in share) <= rows
+                    assert len(share) * max(lengths[i] for i in share) <= tokens
+
+    check()

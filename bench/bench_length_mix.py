@@ -1,0 +1,197 @@
+"""Training on a mix of sequence lengths: padded length-bucketed batches against packed rows, side by side.
+
+    python bench/bench_length_mix.py                                  CPU, toy size (a tiny random hybrid)
+    python bench/bench_length_mix.py --preset 27b --json out.json     one H200: Qwen3.5-27B's shape
+    python bench/bench_length_mix.py --data lengths.txt               the lengths of a real file
+    (also: python bench/bench_train.py --lengths chat|FILE ...)
+
+The sequences: --lengths-from chat (default) draws a seeded chat-like mix, log-normal lengths with a median
+of about 1.5k tokens clipped to 256..--max-length (4096; a shorter --max-length scales the mix) (what length-bucketed real chat data gives); --data FILE
+takes them from a file: one length per line, or a chat JSONL ({"messages": [...]}) tokenised with the chat
+template of --tokenizer DIR. Tokens are random ids (speed does not depend on them); the first third of each
+sequence is the prompt (loss mask 0), the rest the answer.
+
+Both variants run the real training loop (`dflash.train.train`) on the same sequences in one process:
+    padded   --packing off, --batch-size sequences per micro-batch, at most --max-tokens padded tokens
+    packed   --packing on, one row of --pack-tokens tokens with --pack-anchors anchors per micro-batch
+and each reports: useful tokens/s (real tokens only, after --warmup steps), graphs compiled after the first
+step (recompiles: a packed run has none), median and max step time after warm-up, and peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dflash.config import TrainConfig  # noqa: E402
+from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape  # noqa: E402
+from dflash.train.timing import free_memory, sync  # noqa: E402
+from dflash.train.trainer import train  # noqa: E402
+
+
+def chat_mix(n: int, seed: int, longest: int, median: int = 1500, shortest: int = 256) -> list[int]:
+    """`n` chat-like lengths: log-normal around `median` (sigma 0.6), clipped to shortest..longest; below a
+    `longest` of 4096 both ends scale with it (a toy run keeps the mix's shape)."""
+    if longest < 4096:
+        median, shortest = max(2, median * longest // 4096), max(2, shortest * longest // 4096)
+    rng = random.Random(seed)
+    return [min(longest, max(shortest, int(rng.lognormvariate(math.log(median), 0.6)))) for _ in range(n)]
+
+
+def lengths_from_file(path: Path, tokenizer: str | None, longest: int) -> list[int]:
+    """Lengths read from `path`: integers one per line, or a chat JSONL tokenised with `tokenizer`'s template
+    (truncated to `longest`, as training truncates)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if all(line.strip().isdigit() for line in lines):
+        return [min(longest, int(line)) for line in lines]
+    if not tokenizer:
+        raise SystemExit(f"{path} is not one length per line; a chat JSONL needs --tokenizer DIR (its chat template)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    return [min(longest, len(tok.apply_chat_template(json.loads(line)["messages"], tokenize=True)))
+            for line in lines]
+
+
+def items_of(lengths: list[int], vocab: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for n in lengths:
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[n // 3:] = 1
+        items.append({"input_ids": torch.randint(3, vocab, (n,), generator=g), "loss_mask": mask})
+    return items
+
+
+def graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_variant(target, items: list[dict], args, packed: bool, device: torch.device) -> dict:
+    """One training run of `args.steps + args.warmup` steps; per-step times and the figures above."""
+    stamps, graphs = [], []
+
+    def on_step(step, m):
+        sync(device)
+        stamps.append((time.perf_counter(), m["tokens"]))
+        graphs.append(graphs_compiled())
+        return False
+
+    batching = (dict(packing="on", pack_tokens=args.pack_tokens, pack_anchors=args.pack_anchors) if packed else
+                dict(packing="off", batch_size=args.batch_size, max_tokens=args.max_tokens, max_anchors=args.anchors))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with tempfile.TemporaryDirectory(prefix="bench-mix-") as out:
+        cfg = TrainConfig.from_flat(out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
+                                    max_length=args.max_length, max_steps=args.steps + args.warmup, epochs=0,
+                                    save_every=0, log_every=10**6, progress=False, device=str(device),
+                                    memory_check=False, drafter_kind=args.kind, **batching)
+        start = time.perf_counter()
+        train(cfg, target=target, items=items, on_step=on_step, handle_signals=False)
+    times = [b[0] - a[0] for a, b in zip([(start, 0)] + stamps, stamps)]
+    timed, tokens = times[args.warmup:], [t for _, t in stamps[args.warmup:]]
+    row = {"variant": "packed" if packed else "padded", "steps": len(stamps),
+           "useful_tokens_per_s": sum(tokens) / sum(timed), "median_step_s": statistics.median(timed),
+           "max_step_s": max(timed), "first_step_s": times[0],
+           "recompiles_after_first_step": graphs[-1] - graphs[0] if graphs else 0,
+           "step_seconds": [round(t, 4) for t in times], "tokens_per_step": [t for _, t in stamps]}
+    if device.type == "cuda":
+        row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    free_memory(device)
+    return row
+
+
+def report(rows: list[dict], fixed: float | None) -> str:
+    lines = [f"{'variant':<7} {'useful tok/s':>12} {'recompiles':>10} {'median s':>9} {'max s':>8} {'max/med':>8} "
+             f"{'peak GiB':>9}"]
+    for r in rows:
+        peak = f"{r['peak_memory_gib']:.1f}" if "peak_memory_gib" in r else "-"
+        lines.append(f"{r['variant']:<7} {r['useful_tokens_per_s']:>12.0f} {r['recompiles_after_first_step']:>10} "
+                     f"{r['median_step_s']:>9.3f} {r['max_step_s']:>8.3f} {r['max_step_s'] / r['median_step_s']:>8.2f} "
+                     f"{peak:>9}")
+    by = {r["variant"]: r for r in rows}
+    if {"padded", "packed"} <= by.keys():
+        lines.append(f"packed / padded useful tokens/s: "
+                     f"{by['packed']['useful_tokens_per_s'] / by['padded']['useful_tokens_per_s']:.2f}x")
+    if fixed and "packed" in by:
+        lines.append(f"packed / the fixed-shape figure ({fixed:.0f} tokens/s): {by['packed']['useful_tokens_per_s'] / fixed:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default=None, help="27b (Qwen3.5-27B's shape) or large (--hidden/--layers/--vocab); "
+                   "default: large on a CPU at toy size, 27b on a GPU")
+    p.add_argument("--variants", default="padded,packed")
+    p.add_argument("--kind", default="dflash", choices=("dflash", "dflash2"))
+    p.add_argument("--data", type=Path, help="take the lengths from this file (module docstring)")
+    p.add_argument("--tokenizer", help="a model directory whose chat template tokenises a chat JSONL --data")
+    p.add_argument("--sequences", type=int, default=None, help="sequences of the chat-like mix (default 4000 GPU, 24 CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 40 GPU, 3 CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 8 GPU, 1 CPU)")
+    p.add_argument("--max-length", type=int, default=None, help="default 4096 GPU, 256 CPU")
+    p.add_argument("--batch-size", type=int, default=None, help="padded: sequences per micro-batch (default 2)")
+    p.add_argument("--max-tokens", type=int, default=None, help="padded: tokens per micro-batch (default 8192 GPU, 512 CPU)")
+    p.add_argument("--anchors", type=int, default=None, help="padded: anchors per sequence (default 512 GPU, 32 CPU)")
+    p.add_argument("--pack-tokens", type=int, default=None, help="packed: tokens per row (default 8192 GPU, 512 CPU)")
+    p.add_argument("--pack-anchors", type=int, default=None, help="packed: anchors per row (default 1024 GPU, 64 CPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--fixed-tokens-per-s", type=float, default=None,
+                   help="the fixed 2 x 4096 figure to compare the packed run with (bench_train.py's)")
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
+    for key, on_gpu, on_cpu in (("sequences", 4000, 24), ("steps", 40, 3), ("warmup", 8, 1), ("max_length", 4096, 256),
+                                ("batch_size", 2, 2), ("max_tokens", 8192, 512), ("anchors", 512, 32),
+                                ("pack_tokens", 8192, 512), ("pack_anchors", 1024, 64)):
+        if getattr(args, key) is None:
+            setattr(args, key, on_gpu if gpu else on_cpu)
+    preset = args.preset or ("27b" if gpu else "large")
+    shape = QWEN35_27B if preset == "27b" else scaled_qwen35_shape(args.hidden, args.layers, args.vocab)
+    target = random_target(shape, device, torch.bfloat16 if gpu else torch.float32)
+    lengths = (lengths_from_file(args.data, args.tokenizer, args.max_length) if args.data else
+               chat_mix(args.sequences, args.seed, args.max_length))
+    print(json.dumps({"sequences": len(lengths), "median_length": statistics.median(lengths),
+                      "min": min(lengths), "max": max(lengths), "preset": preset, "kind": args.kind}), flush=True)
+    items = items_of(lengths, target.vocab_size, args.seed)
+    rows = []
+    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        if variant not in ("padded", "packed"):
+            p.error(f"unknown variant {variant!r}; choose from padded, packed")
+        try:
+            rows.append(run_variant(target, items, args, variant == "packed", device))
+        except Exception as e:  # one failing variant must not lose the other's figures
+            rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            free_memory(device)
+        print(json.dumps(rows[-1]), flush=True)
+    done = [r for r in rows if "error" not in r]
+    print("\n" + report(done, args.fixed_tokens_per_s))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"lengths": {"n": len(lengths), "median": statistics.median(lengths)},
+                                               "rows": rows}, indent=2) + "\n")
+    return 0 if len(done) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
