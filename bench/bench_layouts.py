@@ -91,7 +91,7 @@ def run_layout(layout: str, target, dcfg, batch, anchors, d, args, cap_gb: float
         with torch.device(d.device):
             drafter = Drafter(dcfg, attention="flex" if cuda else "sdpa")
         config = TrainConfig.from_flat(layout=layout, device=str(d.device.type))
-        model = layouts.wrap_drafter(drafter, layout, d, compile=cuda and not args.no_compile)
+        model = layouts.wrap_drafter(drafter, config.layout, d, compile=cuda and not args.no_compile)
         opt = layouts.optimizer(drafter, config, d)
         if cuda:
             torch.cuda.reset_peak_memory_stats(d.device)

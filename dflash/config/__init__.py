@@ -29,14 +29,15 @@ from pathlib import Path
 
 from common.fsutil import atomic_write
 
-from dflash.config.sections import (LAYOUTS, SECTIONS, TRACKERS, DemoConfig, IOConfig, ModelConfig, OptimConfig,
+from dflash.config.layout import LAYOUTS, Layout
+from dflash.config.sections import (SECTIONS, TRACKERS, DemoConfig, IOConfig, ModelConfig, OptimConfig,
                                     RuntimeConfig, WatchConfig, check_report_to, flag)
 from dflash.config.file import read_config_file
 from dflash.config.options import OPTIONS, convert_value, flatten, unknown_option
 from dflash.errors import ConfigError
 
 __all__ = ["TrainConfig", "IOConfig", "ModelConfig", "OptimConfig", "RuntimeConfig", "WatchConfig", "DemoConfig",
-           "LAYOUTS", "SECTIONS", "TRACKERS", "OPTIONS", "DEMO_DEFAULTS", "check_report_to", "add_arguments", "from_args"]
+           "LAYOUTS", "Layout", "SECTIONS", "TRACKERS", "OPTIONS", "DEMO_DEFAULTS", "check_report_to", "add_arguments", "from_args"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ class TrainConfig:
                               "--max-length, or pass --packing off).")
 
     # --- derived ---------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        """--layout, by what it does (dflash.config.layout)."""
+        return Layout.of(self.runtime.layout)
+
     @property
     def is_demo(self) -> bool:
         return self.io.target is None and self.io.data is None

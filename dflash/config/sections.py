@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
+from dflash.config.layout import LAYOUTS, Layout
 from dflash.errors import ConfigError
 
 
@@ -172,8 +173,6 @@ class OptimConfig(Section):
             raise ConfigError("--epochs and --max-steps are both 0: nothing to train. Set one of them.")
 
 
-# --layout's names (dflash.train.layouts builds each; what each rank holds: docs/training.md, Layouts).
-LAYOUTS = ("replicate", "shard", "offload", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -215,7 +214,7 @@ class RuntimeConfig(Section):
         self._check_common()
         self._at_least(1, "log_every", "keep_checkpoints")
         self._at_least(0, "save_every", "cpu_threads", "target_stages")
-        if self.target_stages and self.layout != "pipeline":
+        if self.target_stages and not Layout.of(self.layout).target_in_stages:
             raise ConfigError(f"--target-stages {self.target_stages} splits the target for --layout pipeline, and "
                               f"--layout is {self.layout}; drop --target-stages or pass --layout pipeline.")
 

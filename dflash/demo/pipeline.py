@@ -53,7 +53,7 @@ def run_demo(config: TrainConfig) -> int:
 def _whole_drafter(drafter, config: TrainConfig, d: distributed.Dist):
     """The trained drafter whole on rank 0 (None elsewhere) for the evaluation: under a sharded layout its
     FSDP2 shards gathered into a plain fp32 drafter on the run's device (a collective of the drafter's ranks)."""
-    if not layouts.is_sharded(config.runtime.layout):
+    if not config.layout.shards_drafter:
         return drafter
     whole = full_drafter(drafter, d.rank)
     return whole.to(d.device) if whole is not None else None

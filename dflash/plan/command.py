@@ -15,7 +15,8 @@ import math
 from common.cli import DefaultsOnceHelpFormatter, add_version
 
 from dflash.errors import ConfigError
-from dflash.plan.memory import LAYOUTS, PRECISIONS, MicroBatch
+from dflash.config.layout import LAYOUTS
+from dflash.plan.memory import PRECISIONS, MicroBatch
 from dflash.plan.planner import best_fitting, card_from_args, plan
 from dflash.plan.shapes import PRESETS, drafter_shape, target_shape
 from dflash.plan.throughput import CARDS

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dflash.config.sections import LAYOUTS
+from dflash.config.layout import Layout
 from dflash.errors import ConfigError
 from dflash.plan.shapes import DrafterShape, TargetShape
 
@@ -147,8 +147,7 @@ def rank_peaks(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layou
                precision: str = "bf16", target_stages: int = 0, coeffs: dict | None = None) -> list[RankPeak]:
     """Each distinct rank role's predicted peak under `layout` at world size `world` (one RankPeak per role:
     every rank of a role peaks the same)."""
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    spec = Layout.of(layout)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if world < 1:
@@ -157,14 +156,14 @@ def rank_peaks(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layou
     e, P, U = PRECISIONS[precision], drafter.params, drafter.unit_params
     act = activation_terms(target, drafter, mb, precision, c)
     target_w = target.params * e / GB
-    if layout == "replicate":
+    if not spec.shards_drafter:
         static = {"target_weights": target_w, "drafter_weights": 4 * P / GB, "optimizer_state": 8 * P / GB}
         if world > 1:  # DDP's reducer allocates its gradient buckets once, beside the gradients
             static["ddp_buckets"] = 4 * P / GB
         return [_peak("every rank", static, 4 * P / GB, act, 0.0)]
-    if layout in ("shard", "offload"):
+    if not spec.target_in_stages:
         gathered = 3 * 4 * U / GB
-        if layout == "shard":
+        if not spec.state_on_host:
             static = {"target_weights": target_w, "drafter_weights": 4 * P / world / GB,
                       "optimizer_state": 8 * P / world / GB}
             return [_peak("every rank", static, 4 * P / world / GB, act, gathered, shards=world)]

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dflash.config.layout import LAYOUTS, Layout
 from dflash.errors import ConfigError, TrainError
-from dflash.plan.memory import LAYOUTS, MicroBatch, RankPeak, pipeline_stages, rank_peaks, worst
+from dflash.plan.memory import MicroBatch, RankPeak, pipeline_stages, rank_peaks, worst
 from dflash.plan.shapes import DrafterShape, TargetShape
 from dflash.plan.throughput import CARDS, Card, tokens_per_second
 
@@ -74,7 +75,8 @@ def option(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: s
            micro_batches: int = 4) -> Option:
     """One layout at this world size on this card. Pipeline with target_stages 0 tries every split of the
     ranks into stages and drafter ranks and keeps the fastest that fits (else the one with the smallest peak)."""
-    if layout == "pipeline" and target_stages == 0 and world > 1:
+    staged = Layout.of(layout).target_in_stages
+    if staged and target_stages == 0 and world > 1:
         tries = [option(target, drafter, mb, layout, world, card, precision, headroom_gb, s, micro_batches)
                  for s in range(1, world)]
         fitting = [o for o in tries if o.fits]
@@ -88,7 +90,7 @@ def option(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: s
     peak = worst(ranks)
     fits = peak.total_gb + headroom_gb <= card.memory_gb
     why = "" if fits else f"{peak.role} needs {peak.total_gb:.1f} GB of {card.memory_gb:g}"
-    if layout == "pipeline":
+    if staged:
         speed["target_stages"] = pipeline_stages(world, target_stages)
     return Option(layout, world, fits, ranks, speed["tokens_per_s"], speed["step_s"], why_not=why, detail=speed)
 
@@ -197,7 +199,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     card = Card(f"{card_gb:.1f} GB visible", card_gb, CARDS["h200"].bf16_tflops, CARDS["h200"].link_gbps)
     precision = "fp32" if config.runtime.precision == "fp32" else "bf16"
     # the run's split (--target-stages, 0: half the ranks), never the search `option` makes for target_stages 0
-    stages = pipeline_stages(world, config.runtime.target_stages) if layout == "pipeline" else 0
+    stages = pipeline_stages(world, config.runtime.target_stages) if Layout.of(layout).target_in_stages else 0
     checked = [(mb, option(target, drafter, mb, layout, world, card, precision=precision, target_stages=stages))
                for mb in worst_micro_batches(config, world, packed)]
     mb, chosen = next(((m, o) for m, o in checked if not o.fits), checked[0])
@@ -218,7 +220,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     others = [o for o in plan(target, drafter, mb, card, world, precision=precision)[0] if o.fits and o.layout != layout]
     if others:
         best = max(others, key=lambda o: o.tokens_per_s)
-        split = f" --target-stages {best.detail['target_stages']}" if best.layout == "pipeline" else ""
+        split = f" --target-stages {best.detail['target_stages']}" if Layout.of(best.layout).target_in_stages else ""
         hints.append(f"--layout {best.layout}{split} fits this micro-batch ({best.peak_gb:.1f} GB per rank)")
     if not hints:
         hints.append(f"no layout fits {world} card(s) of {card_gb:.1f} GB; use more GPUs (dflash plan --target "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dflash.config.layout import Layout
 from dflash.plan.memory import MicroBatch, pipeline_stages
 from dflash.plan.shapes import DrafterShape, TargetShape
 
@@ -99,7 +100,8 @@ def tokens_per_second(target: TargetShape, drafter: DrafterShape, mb: MicroBatch
     "overhead_s": the layout's transfers that are not hidden}."""
     tokens = mb.batch * mb.seq_len
     P = drafter.params
-    if layout == "pipeline":
+    spec = Layout.of(layout)
+    if spec.target_in_stages:
         S = pipeline_stages(world, target_stages)
         D = world - S
         t = phase_times(target, drafter, mb, card, shards=D)
@@ -111,14 +113,14 @@ def tokens_per_second(target: TargetShape, drafter: DrafterShape, mb: MicroBatch
         step = max((m + S - 1) * stage, math.ceil(m / D) * drafter_side) + t["optimizer"]
         return {"tokens_per_s": m * tokens / step, "step_s": step / m, "phases": t,
                 "overhead_s": (S - 1) * stage / m + send}
-    shards = world if layout in ("shard", "offload") else 1
+    shards = world if spec.shards_drafter else 1
     t = phase_times(target, drafter, mb, card, shards=shards)
     compute = sum(t.values())
     link = card.link_gbps * 1e9
-    if layout == "replicate":
+    if not spec.shards_drafter:
         comm = 2 * (world - 1) / world * 4 * P / link if world > 1 else 0.0
         overhead = max(0.0, comm - t["drafter backward"])
-    elif layout == "shard":
+    elif not spec.state_on_host:
         comm = 3 * (world - 1) / world * 4 * P / link if world > 1 else 0.0
         overhead = max(0.0, comm - t["drafter forward"] - t["drafter backward"])
     else:  # offload: the host link and the CPU's AdamW, per rank's shard

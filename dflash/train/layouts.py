@@ -14,7 +14,8 @@
                drafter ranks by point-to-point sends (dflash.train.pipeline).
 
 Every layout computes the gradient one process computes on the whole global micro-batch, so a run's
-losses and weights do not depend on the layout or the world size (to float rounding).
+losses and weights do not depend on the layout or the world size (to float rounding). What each name means
+is dflash.config.layout's Layout (config.layout); this module builds it from those facts, never the name.
 """
 
 from __future__ import annotations
@@ -26,17 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash import distributed
-from dflash.config import LAYOUTS, TrainConfig
+from dflash.config import Layout, TrainConfig
 from dflash.errors import ConfigError
-
-# what a checkpoint of each layout holds (dflash.train.resume): "full" = today's files, one writer;
-# "dcp" = torch.distributed.checkpoint shards, written by every rank, readable at any world size
-CHECKPOINT_KIND = {"replicate": "full", "shard": "dcp", "offload": "dcp", "pipeline": "dcp"}
-assert set(CHECKPOINT_KIND) == set(LAYOUTS)
-
-
-def is_sharded(layout: str) -> bool:
-    return CHECKPOINT_KIND[layout] == "dcp"
 
 
 @dataclass(frozen=True)
@@ -84,10 +76,9 @@ def check_layout(config: TrainConfig, world_size: int | None = None) -> None:
     loaded, naming the fix."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = config.runtime.layout
-    if layout != "pipeline":
+    if not config.layout.target_in_stages:
         return
-    if world_size < 2:
+    if world_size < config.layout.min_world:
         raise ConfigError("--layout pipeline splits the target from the drafter across processes and this run "
                           "has one; launch it with torchrun --nproc-per-node 2 (or more), or use --layout offload "
                           "on one card.")
@@ -105,12 +96,12 @@ def joined(config: TrainConfig):
     """Join the process group this layout needs (a group of one for FSDP2 at world size 1) for the length
     of a `with` block, which yields the Dist; the group is torn down when the block ends
     (dflash.distributed.joined)."""
-    runtime = config.runtime
+    runtime, layout = config.runtime, config.layout
     return distributed.joined(runtime.device, cpu_threads=runtime.cpu_threads,
-                              group_alone=is_sharded(runtime.layout), host_collectives=runtime.layout == "offload")
+                              group_alone=layout.shards_drafter, host_collectives=layout.state_on_host)
 
 
-def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist, compile: bool = False):
+def wrap_drafter(drafter: torch.nn.Module, layout: Layout, d: distributed.Dist, compile: bool = False):
     """The module the trainer calls: DDP (replicate, world size > 1), the drafter itself (replicate alone),
     or the drafter sharded in place with FSDP2 (per decoder layer, then the root: fc, norms).
 
@@ -118,7 +109,7 @@ def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist, com
     each layer's forward (FSDP2's gather and reshard hooks run around it, outside the compiled code: a
     Module.compile()d layer is called past its compiled code once fully_shard wraps it).
     """
-    if layout == "replicate":
+    if not layout.shards_drafter:
         if compile:
             drafter.compile_layers()
         if not d.enabled:
@@ -130,7 +121,7 @@ def wrap_drafter(drafter: torch.nn.Module, layout: str, d: distributed.Dist, com
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(d.group, d.device.type) if d.group is not None else None
-    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if layout == "offload" else None
+    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if layout.state_on_host else None
     extra = {"offload_policy": offload} if offload else {}
     for layer in drafter.layers:
         fully_shard(layer, mesh=mesh, **extra)
@@ -146,7 +137,7 @@ def optimizer(drafter: torch.nn.Module, config: TrainConfig, d: distributed.Dist
     """AdamW over the drafter's (possibly sharded) parameters; fused where they live on a GPU, and fused
     on the CPU for offload (torch's CPU kernel; the state lives there)."""
     optim = config.optim
-    on_host = config.runtime.layout == "offload" and d.device.type == "cuda"
+    on_host = config.layout.state_on_host and d.device.type == "cuda"
     return torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
                              fused=d.device.type == "cuda" or on_host)
 

@@ -43,7 +43,7 @@ from dflash.train.pack_batches import pack_micro_batch, rank_pack
 from dflash.errors import SAID_BY_RANK_0, CheckpointError, ConfigError, DflashError
 from dflash.model.dflash2 import dflash2_extra_params
 from dflash.train import checkpoint as ckpt
-from dflash.train import layouts
+from dflash.train import layouts, pipeline
 from dflash.train.evaluation import eval_split
 from dflash.train.heartbeat import Heartbeat
 from dflash.train.monitor import claimed_run
@@ -310,10 +310,6 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
     """Train the drafters `specs` names on one pass of `config`'s target and data (as train() does one).
     `on_step(step, {name: metrics})` may return True to stop the run as SIGTERM would."""
     configs = drafter_configs(config, specs)  # every drafter's options checked before anything else
-    if config.runtime.layout == "pipeline":
-        raise ConfigError("several drafters on one target pass run under --layout replicate, shard or offload; "
-                          "under --layout pipeline the target's stages serve one drafter. Pick another layout, "
-                          "or train the drafters one run each.")
     layouts.check_layout(config)  # before any process group or weight
     with layouts.joined(config) as d, claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
@@ -327,9 +323,14 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
                 check_resume_checkpoint(cfg)
             layers = _drafter_layers(config, configs, target)
             check_memory(configs, target, d.device, {name: len(ids) for name, ids in layers.items()})
+            tapping = config.replace(target_layer_ids=union(layers)) if not config.model.init_drafter else config
+            if config.layout.target_in_stages:  # the stage ranks tap every drafter's layers and serve them all
+                target, d, items = pipeline.place(config, d, lambda: target or load_target(tapping, d.device, cpu=True),
+                                                  lambda t: load_items(config, t) if items is None else items, stop)
+                if target is None:  # a stage rank, done serving
+                    return MultiResult(stopped_by=stop.reason, exit_code=stop.exit_code if stop else 0)
             if target is None:  # tapping every drafter's layers
-                target = load_target(config.replace(target_layer_ids=union(layers)) if not config.model.init_drafter
-                                     else config, d.device)
+                target = load_target(tapping, d.device)
             if items is None:
                 items = load_items(config, target)
             items, eval_items = eval_split(config, target, items)
@@ -345,7 +346,9 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
             log.info("training %d drafters (%s) for %d steps on %d sequences, one target pass, world size %d, "
                      "device %s", len(configs), ", ".join(configs), trainer.total_steps, len(items), d.world_size,
                      d.device)
-            return trainer.run()
+            result = trainer.run()
+            getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop
+            return result
         except DflashError as exc:
             if d.is_main or not isinstance(exc, SAID_BY_RANK_0):  # a refusal: rank 0's line says it for all
                 log.error("stopped: %s", exc)

@@ -134,7 +134,6 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
 
     from dflash.io.drafter import read_drafter_config
     from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
-    from dflash.train.layouts import CHECKPOINT_KIND
     from dflash.train.manifest import check_manifest
     from dflash.train.sharded_checkpoint import KIND_KEY, check_kind
     from dflash.train.rundir import RunDir
@@ -162,8 +161,7 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
                                                loaded.get(KIND_KEY, "full") == "full" else set())
     if not isinstance(loaded, dict) or not needed <= loaded.keys():
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
-    layout = config.runtime.layout
-    check_kind(last, loaded, layout, CHECKPOINT_KIND[layout])
+    check_kind(last, loaded, config.layout)
     problem = check_manifest(last)  # bytes changed inside tensor data load without an error anywhere else
     if problem:
         raise _damaged(last, *problem)
@@ -178,7 +176,7 @@ def check_memory(config: TrainConfig, world_size: int, device, card_gb_for_tests
 
     card_gb = card_gb_for_tests if card_gb_for_tests is not None else visible_card_gb(device)
     packed = packing(config, device if device is not None else torch.device("cpu"))
-    check_training_fits(config, world_size, card_gb, getattr(config.runtime, "layout", "replicate"), packed=packed)
+    check_training_fits(config, world_size, card_gb, config.runtime.layout, packed=packed)
 
 
 def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True, world_size: int = 1,

@@ -31,10 +31,10 @@ import torch
 from common.fsutil import atomic_write
 
 from dflash import distributed
+from dflash.config import Layout
 from dflash.errors import CheckpointError
 from dflash.train import checkpoint as ckpt
 from dflash.train import faults
-from dflash.train.layouts import CHECKPOINT_KIND, is_sharded
 
 DCP_DIR = "dcp"
 KIND_KEY = "checkpoint_kind"
@@ -148,25 +148,25 @@ def load(checkpoint: Path, drafter, optimizer, group=None) -> None:
     set_state_dict(drafter, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def check_kind(checkpoint: Path, state: dict, layout: str, expected: str) -> None:
+def check_kind(checkpoint: Path, state: dict, layout: Layout) -> None:
     """Refuse a checkpoint written by a layout of the other kind (full files vs DCP shards)."""
     kind = state.get(KIND_KEY, "full")
-    if kind == expected:
+    if kind == layout.checkpoint_kind:
         return
     if kind == "full":
         raise CheckpointError(f"{checkpoint} was written by --layout replicate (whole optimizer state in "
-                              f"{ckpt.STATE_FILE}); --layout {layout} resumes sharded DCP checkpoints. Resume with "
+                              f"{ckpt.STATE_FILE}); --layout {layout.name} resumes sharded DCP checkpoints. Resume with "
                               "--layout replicate, or start a new run without --resume.")
     raise CheckpointError(f"{checkpoint} holds sharded DCP state (written by --layout shard, offload or pipeline); "
-                          f"--layout {layout} cannot read it. Resume with --layout shard (or offload, or "
+                          f"--layout {layout.name} cannot read it. Resume with --layout shard (or offload, or "
                           "pipeline), at any world size.")
 
 
-def restore(checkpoint: Path, state: dict, layout: str, drafter, optimizer, d: distributed.Dist) -> None:
+def restore(checkpoint: Path, state: dict, layout: Layout, drafter, optimizer, d: distributed.Dist) -> None:
     """Load a checkpoint's drafter weights and AdamW state as `layout` keeps them: DCP shards, resharded
     to this run's ranks, or today's whole files (replicate); `state` is its trainer_state.pt."""
-    check_kind(checkpoint, state, layout, CHECKPOINT_KIND[layout])
-    if is_sharded(layout):
+    check_kind(checkpoint, state, layout)
+    if layout.shards_drafter:
         load(checkpoint, drafter, optimizer, d.group)
         return
     from safetensors.torch import load_file

@@ -78,7 +78,7 @@ class Trainer:
         self.drafter = build_drafter(self.drafter_config, attention=attention).to(d.device)
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
-        self.layout = config.runtime.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
+        self.layout = config.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
         self.model = layouts.wrap_drafter(self.drafter, self.layout, d, compile=compile_layers(config, d.device))
         self.optimizer = layouts.optimizer(self.drafter, config, d)
         self.packed = packing(config, d.device)  # packed rows of fixed shape (dflash.data.packs), or padded batches
@@ -138,8 +138,8 @@ class Trainer:
     def save(self) -> Path | None:
         path = None
         train_state = {**self.order.state(), "data_fingerprint": self.fingerprint, "world_size": self.d.world_size,
-                       "layout": self.layout, "pack_tokens": self.config.optim.pack_tokens if self.packed else 0}
-        if layouts.is_sharded(self.layout):  # every rank writes its shards
+                       "layout": self.layout.name, "pack_tokens": self.config.optim.pack_tokens if self.packed else 0}
+        if self.layout.shards_drafter:  # every rank writes its shards
             path = sharded_checkpoint.save(self.run_dir.checkpoints, step=self.step, drafter=self.drafter,
                                            optimizer=self.optimizer, scheduler=self.scheduler, train_state=train_state,
                                            config=self.config, keep=self.config.runtime.keep_checkpoints, d=self.d)
@@ -301,7 +301,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             attention_impl(config, d.device)  # a bad --attention fails before the target loads
             check_before_loading(config, data=items is None, target=target is None,  # seconds, not minutes
                                  world_size=d.world_size, device=d.device, card_gb_for_tests=card_gb_for_tests)
-            if config.runtime.layout == "pipeline":  # stage ranks serve the target until the drafter ranks end
+            if config.layout.target_in_stages:  # stage ranks serve the target until the drafter ranks end
                 target, d, items = pipeline.place(config, d, lambda: target or load_target(config, d.device, cpu=True),
                                                   lambda t: load_items(config, t) if items is None else items, stop)
                 if target is None:  # a stage rank, done serving

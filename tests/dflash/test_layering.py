@@ -44,3 +44,35 @@ def test_imports_only_go_down(path):
 def test_no_module_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 400}
     assert not long, f"modules over 400 lines: {long}"
+
+
+def _compared_names(path: Path, names: set[str]) -> list[str]:
+    """String constants among `names` that `path` compares (==, !=, in, not in) or keys a dict with."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            for side in sides:
+                items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                found += [f"line {node.lineno}: {i.value!r}" for i in items
+                          if isinstance(i, ast.Constant) and i.value in names]
+        if isinstance(node, ast.Dict):
+            found += [f"line {node.lineno}: {k.value!r} as a key" for k in node.keys
+                      if isinstance(k, ast.Constant) and k.value in names]
+    return found
+
+
+def test_layout_names_are_told_apart_only_in_the_layout_module():
+    """Everywhere else asks a Layout what it does (dflash.config.layout): a new layout is one entry there."""
+    from dflash.config.layout import LAYOUTS
+
+    home = ROOT / "config" / "layout.py"
+    offenders = {str(p.relative_to(ROOT)): hits for p in MODULES if p != home
+                 and (hits := _compared_names(p, set(LAYOUTS)))}
+    assert not offenders, f"layout names compared outside dflash/config/layout.py: {offenders}"
+
+
+def test_the_layout_check_finds_a_comparison(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f(layout):\n    return layout == "offload" or layout in ("shard", "x")\n')
+    assert len(_compared_names(probe, {"offload", "shard"})) == 2

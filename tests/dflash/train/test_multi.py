@@ -3,6 +3,8 @@ order), --resume continues them all, and a run whose drafters would not fit on t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -233,12 +235,40 @@ def test_resume_refuses_drafters_checkpointed_at_different_steps(tiny, tmp_path,
     assert "not at the same step (b4 at step 2, b6-deep at step 1)" in capsys.readouterr().err
 
 
-def test_several_drafters_under_the_pipeline_layout_are_refused_before_loading(tiny, tmp_path, capsys):
+def test_several_drafters_under_pipeline_on_one_process_are_refused_before_loading(tiny, tmp_path, capsys):
     target, data = tiny
     sweep = tmp_path / "sweep.toml"
     sweep.write_text(SWEEP)
     out = tmp_path / "run"
     assert train_main(train_args(target, data, out) + ["--config", str(sweep), "--layout", "pipeline"]) == 2
     err = capsys.readouterr().err
-    assert "--layout replicate, shard or offload" in err and "Traceback" not in err
+    assert "--nproc-per-node 2" in err and "Traceback" not in err
     assert not (out / "drafters").exists()
+
+
+@pytest.mark.slow  # one torchrun launch of 2 gloo processes: a drafter rank and a target stage (about 60 s)
+def test_a_dflash_and_a_dflash2_drafter_train_on_one_pipelined_target(tiny, tmp_path):
+    """The rig of a target on some GPUs and several drafters on the others: the stage taps the union of the
+    drafters' layers and serves it once per micro-batch; the drafter rank trains both, each exporting its kind."""
+    import os
+    import subprocess
+    import sys
+
+    from dflash.io.drafter import load_drafter
+    from dflash.model.dflash2 import DFlash2Drafter
+
+    target, data = tiny
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('[[drafters]]\nname = "one"\ntarget-layer-ids = "1"\n\n'
+                     '[[drafters]]\nname = "two"\ndrafter-kind = "dflash2"\ntarget-layer-ids = "1,2"\n')
+    out = tmp_path / "rig"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_HEARTBEAT": str(tmp_path / "heartbeat")}
+    argv = ["--nproc-per-node", "2", *train_args(target, data, out, layout="pipeline", target_stages=1, max_steps=2,
+                                                  save_every=1), "--config", str(sweep)]
+    done = subprocess.run([sys.executable, "-m", "dflash.cli", "train", *argv], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, second in (("one", False), ("two", True)):
+        drafter = load_drafter(RunDir(drafter_out(out, name)).drafter)
+        assert isinstance(drafter, DFlash2Drafter) == second
+        assert drafter.config.target_layer_ids == ([1, 2] if second else [1])

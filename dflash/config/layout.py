@@ -1,0 +1,60 @@
+"""--layout: what each of its names means for a rank. The one place a layout is told apart by its name;
+everywhere else asks a Layout what it does (tests/dflash/test_layering.py holds that).
+
+    replicate  every rank: the whole target, the whole drafter, its gradients and AdamW state (DDP)
+    shard      every rank: the whole target and 1/W of the drafter's fp32 weights, gradients and AdamW state
+               (FSDP2)
+    offload    shard, with that share in host memory and the AdamW step on the CPU
+    pipeline   the target's layers in stages on their own ranks; the drafter sharded (as shard) over the others
+
+How each is built, checkpointed and gathered: dflash.train.layouts, dflash.train.sharded_checkpoint,
+dflash.train.pipeline; what each costs: dflash.plan.memory and dflash.plan.throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One --layout, by what it does."""
+
+    name: str
+    shards_drafter: bool     # each drafter rank holds 1/D of the drafter's weights, gradients and AdamW state
+    state_on_host: bool      # that share lives in host memory, and the AdamW step runs on the CPU
+    target_in_stages: bool   # the target's layers run in stages on ranks of their own (point-to-point sends)
+
+    @property
+    def checkpoint_kind(self) -> str:
+        """What its checkpoints hold: "full" (whole files, one writer) or "dcp" (torch.distributed.checkpoint
+        shards written by every rank, readable at any world size)."""
+        return "dcp" if self.shards_drafter else "full"
+
+    @property
+    def evaluates_in_run(self) -> bool:
+        """Whether a rank can run the whole target for an evaluation during training."""
+        return not self.target_in_stages
+
+    @property
+    def min_world(self) -> int:
+        """Fewest processes it runs on (a pipeline needs a drafter rank beside a stage rank)."""
+        return 2 if self.target_in_stages else 1
+
+    @classmethod
+    def of(cls, name: str) -> "Layout":
+        for layout in ALL:
+            if layout.name == name:
+                return layout
+        raise ConfigError(f"layout {name!r}: choose one of {', '.join(LAYOUTS)}")
+
+
+ALL = (
+    Layout("replicate", shards_drafter=False, state_on_host=False, target_in_stages=False),
+    Layout("shard", shards_drafter=True, state_on_host=False, target_in_stages=False),
+    Layout("offload", shards_drafter=True, state_on_host=True, target_in_stages=False),
+    Layout("pipeline", shards_drafter=True, state_on_host=False, target_in_stages=True),
+)
+LAYOUTS = tuple(layout.name for layout in ALL)
