@@ -7,7 +7,8 @@ the `pct` command lines and config lines that realise it (formats of pve-contain
             CTID in use without --replace, OCI on PVE < 9.1, missing/inactive/full storage,
             GPUs asked for but none (or no driver), host driver too old for the image's CUDA
     render  pct create ... / pct set --devN ... / raw lxc.* lines appended to /etc/pve/lxc/CTID.conf
-            (GPU nodes and driver libraries; a sized /dev/shm and the loopback for every container)
+            (GPU nodes and driver libraries; a sized /dev/shm and the loopback for every container;
+            net0's static addresses as LXC keys, images/network.py)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from packaging.version import Version
 
-from . import gpu
+from . import gpu, network
 from .errors import HostError
 
 OCI_MIN_PVE = Version("9.1")  # pve-container >= 6.0.15 restores OCI archives
@@ -109,7 +110,7 @@ class ContainerPlan:
     data_path: str = "/data"
     features: str = "nesting=1"
     unprivileged: bool = True
-    net0: str | None = "name=eth0,bridge=vmbr0,ip=dhcp"
+    net0: str | None = None  # Proxmox's netN value with a static ip= (images/network.py); None: loopback only
     gpus: str = "all"
     replace: bool = False
     entrypoint: str | None = None  # PVE >= 9.1 (OCI): overrides the image's Entrypoint/Cmd after create
@@ -146,6 +147,8 @@ def check_plan(plan: ContainerPlan, facts: HostFacts, image_cuda: str | None) ->
         raise HostError("--entrypoint only applies to OCI containers (PVE >= 9.1); a template container starts "
                         "its /sbin/init. Drop --entrypoint or use --format oci.")
     _check_features(plan.features, plan.unprivileged)
+    if plan.net0:
+        network.parse_net(plan.net0)
     if plan.shm_mb is not None and not 1 <= plan.shm_mb <= plan.memory_mb:
         raise HostError(f"--shm-size {plan.shm_mb} MiB is outside 1..{plan.memory_mb} (--memory): /dev/shm is a tmpfs "
                         "whose pages count against the container's memory. Pass a size in MiB up to --memory, or "
@@ -235,6 +238,12 @@ def render_ipc_config(plan: ContainerPlan) -> list[str]:
       so it never takes the place of a netN, now or after a later `pct set --netN`."""
     return [f"lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir,size={plan.shm_size_mb}M 0 0",
             f"lxc.net.{LOOPBACK_NET}.type: empty", f"lxc.net.{LOOPBACK_NET}.flags: up"]
+
+
+def render_net_config(plan: ContainerPlan) -> list[str]:
+    """Raw lxc.net.0.* lines with net0's static addresses: `--ostype unmanaged` configures nothing inside
+    the container, so LXC sets them, before init runs (images/network.py says why not DHCP)."""
+    return network.address_lines(network.parse_net(plan.net0), 0) if plan.net0 else []
 
 
 def render_raw_config(facts: HostFacts, devices: list[gpu.NvidiaDevice]) -> list[str]:

@@ -117,7 +117,8 @@ def push(o: PushOptions) -> PushReport:
             commands += [["pct", "stop", str(plan.ctid)], ["pct", "destroy", str(plan.ctid), "--purge"]]
         commands.append(proxmox.render_create(plan))
         commands += proxmox.render_set(plan, facts, devices)
-        raw = proxmox.render_ipc_config(plan) + proxmox.render_raw_config(facts, devices)
+        raw = (proxmox.render_ipc_config(plan) + proxmox.render_net_config(plan)
+               + proxmox.render_raw_config(facts, devices))
         conf = f"{o.pve_config_dir.rstrip('/')}/{plan.ctid}.conf"
         for argv in commands:
             _run(host, argv, o.dry_run, report, check=argv[1] != "stop")
@@ -333,7 +334,9 @@ def register(subparsers) -> None:
     ct.add_argument("--data-path", default="/data")
     ct.add_argument("--features", default="nesting=1")
     ct.add_argument("--privileged", action="store_true", help="create a privileged container (not recommended)")
-    ct.add_argument("--net0", default="name=eth0,bridge=vmbr0,ip=dhcp", help="'' for no network")
+    ct.add_argument("--net0", default="",
+                    help="Proxmox netN value with a static address, e.g. name=eth0,bridge=vmbr0,ip=10.10.0.11/24,"
+                         "gw=10.10.0.1 (LXC sets it before init; the image runs no DHCP client); '': loopback only")
     ct.add_argument("--gpus", default="all", help="'all', 'none' or indices like 0,1,4")
     ct.add_argument("--entrypoint", help="OCI only (PVE >= 9.1): replace the image's entrypoint, e.g. 'sleep infinity'")
     ct.add_argument("--pve-config-dir", default="/etc/pve/lxc", help="where the host keeps CTID.conf")

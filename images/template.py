@@ -10,7 +10,10 @@ as files:
     /etc/environment            KEY=VALUE (pam_env, login shells)
     /etc/profile.d/dflash.sh    export KEY='VALUE' ...   (sourced by the wrappers below)
     /usr/local/bin/dflash-env   runs "$@" with that environment, in WORKDIR, as USER   (scripts/dflash-env.sh)
-    /usr/local/bin/<program>    for the entrypoint's program and `dflash`: dflash-env /abs/path "$@"
+    /usr/local/bin/<program>    dflash-env /abs/path "$@", for the entrypoint's program, `dflash`, and every program
+                                in the image's own PATH directories (those before the system ones: the venv's
+                                `python`, `torchrun` and console scripts), so that they are on the PATH that
+                                `pct exec`, `lxc-attach`, ssh and login shells all search (each has /usr/local/bin)
     /etc/hosts                  only when the image's is empty or missing (`docker export` leaves Docker's empty
                                 placeholder): localhost -> 127.0.0.1 and ::1, for torchrun and servers on localhost
     /sbin/init                  only when the image has none: mounts a /dev/shm tmpfs ($DFLASH_SHM_SIZE, default
@@ -40,6 +43,10 @@ from .errors import ExportError
 from .imageinfo import ImageInfo, docker_client
 
 WRAPPED_PROGRAMS = ("dflash", "dflash-train")  # besides the entrypoint's own program
+# PATH directories every way into a container searches already: the image's programs elsewhere on its PATH
+# (/opt/venv/bin) get a wrapper in /usr/local/bin. lxc-attach --clear-env, sshd's default and Debian's
+# /etc/profile all list /usr/local/bin; pct exec passes the host shell's PATH, which lists it too.
+SYSTEM_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 INIT_PROGRAMS = ("tini", "dumb-init", "--")  # entrypoint prefixes that are not the program itself
 # What a distribution's /etc/hosts says about the loopback; pct --ostype unmanaged writes no /etc/hosts.
 ETC_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
@@ -64,10 +71,11 @@ def carried_files(info: ImageInfo, members: dict[str, tarfile.TarInfo],
         "./usr/local/bin/dflash-env": (ENV_WRAPPER.encode(), 0o755),
     }
     entry = [w for w in info.entrypoint if os.path.basename(w) not in INIT_PROGRAMS][:1]
-    for prog in dict.fromkeys(entry + list(WRAPPED_PROGRAMS)):
-        real = resolve_in_rootfs(prog, env.get("PATH", ""), members)
-        wrapper = f"./usr/local/bin/{os.path.basename(prog)}"
-        if real and "." + real != wrapper:
+    path_var = env.get("PATH", "")
+    programs = [resolve_in_rootfs(p, path_var, members) for p in dict.fromkeys(entry + list(WRAPPED_PROGRAMS))]
+    for real in dict.fromkeys([p for p in programs if p] + image_path_programs(path_var, members)):
+        wrapper = f"./usr/local/bin/{os.path.basename(real)}"
+        if "." + real != wrapper and wrapper not in files:  # the first of a name wins, as on PATH
             files[wrapper] = (f'#!/bin/sh\nexec /usr/local/bin/dflash-env {shlex.quote(real)} "$@"\n'.encode(), 0o755)
     hosts = members.get(through_links("./etc/hosts", members))
     if hosts is None or (hosts.isfile() and hosts.size == 0):
@@ -94,6 +102,35 @@ def through_links(path: str, members: dict[str, tarfile.TarInfo]) -> str:
         else:
             return "./" + "/".join(parts)
     raise ExportError(f"symlink loop while resolving {path} in the image's rootfs.")
+
+
+def image_path_programs(path_var: str, members: dict[str, tarfile.TarInfo]) -> list[str]:
+    """The executables in the image's own PATH directories (those that are not SYSTEM_PATH), first
+    directory first, as absolute paths: what `docker run IMAGE NAME` finds and a bare exec would not.
+    A symlink counts when its target is in the rootfs (the venv's python -> /usr/bin/python3.11)."""
+    found: dict[str, str] = {}
+    for d in path_var.split(":"):
+        d = d.rstrip("/")
+        if not d.startswith("/") or d in SYSTEM_PATH:
+            continue
+        prefix = f".{d}/"
+        for name in sorted(members):
+            base = name[len(prefix):]
+            if not name.startswith(prefix) or not base or "/" in base or base in found:
+                continue
+            if _executable(name, members):
+                found[base] = name[1:]
+    return list(found.values())
+
+
+def _executable(name: str, members: dict[str, tarfile.TarInfo], depth: int = 0) -> bool:
+    ti = members.get(name)
+    if ti is None or depth > 8:
+        return False
+    if ti.issym():
+        target = ti.linkname if ti.linkname.startswith("/") else os.path.join(os.path.dirname(name[1:]), ti.linkname)
+        return _executable("." + os.path.normpath("/" + target.lstrip("/")), members, depth + 1)
+    return ti.isfile() and bool(ti.mode & 0o111)
 
 
 def resolve_in_rootfs(prog: str, path_var: str, members: dict[str, tarfile.TarInfo]) -> str | None:

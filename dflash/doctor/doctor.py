@@ -6,6 +6,7 @@
     dflash doctor --require-gpu         # no visible GPU is itself a failure
     dflash doctor --expect-arch 12.0    # without a GPU, the arch the extension must cover (or DFLASH_EXPECT_ARCHES)
     dflash doctor --save /tmp/dflash/doctor.json   # also keep the verdict for `dflash healthcheck`
+    dflash doctor --multi-node          # also the network a run across nodes needs (network.py)
     python -m dflash.doctor ...         # the same, without the console script
 
 Exit codes: 0 no required check failed; 1 a required check failed; 2 a bad option (an arch spelling,
@@ -14,7 +15,9 @@ a --save path that cannot be written), found before any check runs.
 Checks, in order: gpu, versions, import, arch, dispatch, numerics, triton, shm, loopback. Without a GPU,
 versions, import, arch and dispatch still run; numerics and the Triton JIT report skip with the reason, and
 the C compiler Triton needs is still checked. shm and loopback (ipc.py: what --num-proc, DataLoader
-workers, NCCL and torchrun need from the container) always run, --quick included.
+workers, NCCL and torchrun need from the container) always run, --quick included. network (a routable
+interface, a hostname that resolves to a usable address) runs when the run spans nodes: --multi-node, or
+under a torchrun whose WORLD_SIZE exceeds its LOCAL_WORLD_SIZE.
 
 Dispatch is checked even without a GPU because transformers 5.24 picks the fast or the torch function
 once, when the model module is imported, by importing the kernel package; the GPU plays no part in the
@@ -43,6 +46,7 @@ class Options:
     quick: bool = False
     require_gpu: bool = False
     expect_arches: tuple[int, ...] | None = None  # SM numbers; None: take them from the wheel's record
+    multi_node: bool = False  # also check the network (always so under a torchrun spanning nodes)
 
 
 def check_gpu(gpus: list[dict], require: bool) -> CheckResult:
@@ -104,7 +108,7 @@ def check_triton(gpus: list[dict], quick: bool) -> CheckResult:
 def run_checks(opts: Options, progress=None) -> Report:
     """Run every check in order; a check that crashes is reported as failed with its exception."""
     from dflash.doctor import checks as dc
-    from dflash.doctor import ipc
+    from dflash.doctor import ipc, network
 
     gpus = dc.visible_gpus()
     expected = list(opts.expect_arches) if opts.expect_arches is not None else None
@@ -119,6 +123,8 @@ def run_checks(opts: Options, progress=None) -> Report:
         ("shm", ipc.check_shm),
         ("loopback", ipc.check_loopback),
     ]
+    if opts.multi_node or network.spans_nodes():
+        plan.append(("network", network.check_network))
     results = []
     for name, fn in plan:
         if progress:
@@ -206,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expect-arch", action="append", default=None, metavar="ARCH",
                    help=f"arch the extension must cover when no GPU is visible, e.g. 12.0 (repeat or comma-separate; "
                         f"default: ${EXPECT_ENV}, else the wheel's build record)")
+    p.add_argument("--multi-node", action="store_true",
+                   help="also check what a run across nodes needs: a routable interface and a hostname that resolves "
+                        "to a usable address (on by itself under a torchrun that spans nodes)")
     p.add_argument("--save", metavar="PATH", default=None,
                    help=f"also write the JSON verdict to PATH atomically (the health check reads ${REPORT_ENV}, "
                         f"default {DEFAULT_REPORT})")
@@ -226,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_save_path(save)
         except OSError as e:
             parser.error(save_error(save, e))
-    opts = Options(quick=args.quick, require_gpu=args.require_gpu, expect_arches=expect)
+    opts = Options(quick=args.quick, require_gpu=args.require_gpu, expect_arches=expect, multi_node=args.multi_node)
     progress = (lambda msg: print(msg, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
     report = run_checks(opts, progress)
     print(report.to_json() if args.json else render_table(report))

@@ -8,6 +8,9 @@
 Before a training run starts, the full doctor is started once in the background; its verdict lands in
 $DFLASH_STATE_DIR/doctor.json, which the image's HEALTHCHECK (`dflash healthcheck`) reads together with
 the trainer's heartbeat. The doctor is double-forked so that tini, not the trainer, reaps it.
+
+When the entrypoint is the container's init (a Proxmox OCI container runs it instead of the template's
+/sbin/init), it first mounts /dev/shm and brings lo up where they are missing, as root (pid1.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ def start_background_doctor() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from dflash.doctor.pid1 import prepare_as_init
+
+    prepare_as_init()
     command, doctor_first = command_for(argv)
     if doctor_first:
         start_background_doctor()

@@ -7,6 +7,10 @@
 #             (an lxc.mount.entry in the container's config, as `python -m images push` writes)
 #   lo        up: torchrun's store, gloo/NCCL bootstrap and a server on localhost need it. With `ip`,
 #             `ifconfig` or else the image's python3 (SIOCSIFFLAGS): the images carry no iproute2.
+#   hostname  resolves: unless /etc/hosts names it already, a line maps it to the container's first
+#             non-loopback address (LXC sets a static one before init runs: `ip=` in Proxmox's netN, as
+#             `python -m images push` writes it), else to 127.0.1.1 as Debian does. torch resolves the
+#             hostname (a warning otherwise), and gloo binds the address it resolves to.
 # $DFLASH_SHM_SIZE comes from init's environment (lxc.environment) or else the image's ENV. A step that
 # fails is reported on the console and the container still starts; `dflash doctor` names what is missing.
 trap 'exit 0' PWR TERM INT  # before the setup: a halt that comes during it is not lost
@@ -57,6 +61,21 @@ setup_lo() {
   say "could not bring the loopback up (no ip, ifconfig or python3 that could): torchrun and localhost servers will fail"
 }
 
+setup_hostname() {
+  name=$(cat /proc/sys/kernel/hostname 2>/dev/null)
+  [ -n "$name" ] || return 0
+  while read -r addr names; do
+    case "$addr" in '#'*) continue ;; esac
+    for n in $names; do [ "$n" = "$name" ] && return 0; done
+  done </etc/hosts
+  addr=$(hostname -I 2>/dev/null)
+  addr=${addr%% *}
+  case "$addr" in *.*) ;; *) addr=127.0.1.1 ;; esac  # IPv4 only: gloo and torchrun's store default to it
+  printf '%s\t%s\n' "$addr" "$name" >>/etc/hosts ||
+    say "could not add '$name' to /etc/hosts: the hostname does not resolve (torch warns; gloo needs GLOO_SOCKET_IFNAME)"
+}
+
 setup_shm
 setup_lo
+setup_hostname
 while :; do sleep 3600 & wait $!; done

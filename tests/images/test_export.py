@@ -39,6 +39,34 @@ def test_carried_files_write_env_wrappers_and_init():
     assert "./sbin/init" not in template.carried_files(_info(), members)  # the image's own init wins
 
 
+def _member(name: str, mode: int = 0o755, link: str | None = None) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.mode = mode
+    if link is not None:
+        ti.type, ti.linkname = tarfile.SYMTYPE, link
+    return ti
+
+
+def test_every_program_of_the_images_own_path_gets_a_wrapper_on_the_system_path():
+    """pct exec, lxc-attach, ssh and login shells all search /usr/local/bin but not /opt/venv/bin: the venv's
+    python, torchrun and console scripts get a wrapper there; activate scripts (not executable), links to
+    nothing and the system directories' programs do not."""
+    members = {m.name: m for m in [
+        _member("./opt/venv/bin/torchrun"), _member("./opt/venv/bin/dflash-eval"),
+        _member("./opt/venv/bin/python3", link="/usr/bin/python3.11"), _member("./usr/bin/python3.11"),
+        _member("./opt/venv/bin/python", link="python3"), _member("./opt/venv/bin/activate", mode=0o644),
+        _member("./opt/venv/bin/dangling", link="/nowhere"), _member("./opt/tools/bin/torchrun"),
+        _member("./usr/bin/perl")]}
+    info = _info(env=["PATH=/opt/venv/bin:/opt/tools/bin:/usr/local/bin:/usr/bin:/bin"])
+    files = template.carried_files(info, members)
+    wrappers = {k: v[0].decode() for k, v in files.items() if k.startswith("./usr/local/bin/") and
+                not k.endswith("/dflash-env")}
+    assert sorted(wrappers) == [f"./usr/local/bin/{n}" for n in ("dflash-eval", "python", "python3", "torchrun")]
+    # the first directory's torchrun, as the image's PATH finds it
+    assert wrappers["./usr/local/bin/torchrun"] == '#!/bin/sh\nexec /usr/local/bin/dflash-env /opt/venv/bin/torchrun "$@"\n'
+    assert "exec /usr/local/bin/dflash-env /opt/venv/bin/python " in wrappers["./usr/local/bin/python"]
+
+
 def test_wrapper_is_not_written_over_the_program_itself():
     members = {"./usr/local/bin/dflash-train": tarfile.TarInfo("x")}
     files = template.carried_files(_info(env=["PATH=/usr/local/bin:/usr/bin"]), members)

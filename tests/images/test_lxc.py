@@ -15,7 +15,6 @@ the container's own.
 
 import json
 import re
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -26,21 +25,12 @@ from images import export, lxc
 from tests.conftest import need_tools
 from images.errors import LxcError
 from images.template import INIT_SHIM
-from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
-from tests.support.demo_image import demo_image_or_skip, python_image
+from tests.support.dflash_train_fixtures import train_args
+from tests.support.demo_image import demo_image_or_skip
 
 pytestmark = [pytest.mark.lxc, pytest.mark.docker]
 
 REPO = Path(__file__).resolve().parents[2]
-ALL_REDUCE = """import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")
-t = torch.tensor([float(dist.get_rank() + 1)])
-dist.all_reduce(t)
-print(f"rank {dist.get_rank()} of {dist.get_world_size()}: all_reduce sum {t.item():g}", flush=True)
-dist.destroy_process_group()
-"""
 
 
 @pytest.fixture(scope="module")
@@ -146,35 +136,6 @@ def test_existing_container_is_refused(artifacts, container):
 # ----------------------------------------------------------------------------------------------------
 # Multi-process work inside: the Python image's template, this venv's packages bind-mounted
 # ----------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def python_template(tmp_path_factory):
-    why = lxc.available()
-    if why:
-        pytest.skip(why)
-    if sys.version_info[:2] != (3, 11):
-        pytest.skip(f"the container runs Debian bookworm's python3.11 on this venv's packages; this venv is "
-                    f"Python {sys.version_info.major}.{sys.version_info.minor}")
-    pytest.importorskip("docker")
-    try:
-        image = python_image()
-    except Exception as e:
-        pytest.skip(f"cannot build the Python test image: {e}")
-    (template,) = export.export(image, "template", tmp_path_factory.mktemp("py-artifacts"), progress=False).artifacts
-    return template
-
-
-@pytest.fixture(scope="module")
-def workload(tmp_path_factory) -> Path:
-    """/data inside: a tiny chat target, chat data and a gloo all_reduce script, readable by uid 1000."""
-    data = tmp_path_factory.mktemp("data")
-    save_chat_target(data / "target")
-    write_chat_jsonl(data / "chat.jsonl", n=24)
-    (data / "allreduce.py").write_text(ALL_REDUCE)
-    for path in [data, *data.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return data
-
-
 def python_mounts(data: Path) -> list[str]:
     paths = sysconfig.get_paths()
     sites = dict.fromkeys([paths["purelib"], paths["platlib"]])
@@ -211,7 +172,8 @@ def test_template_container_runs_multiprocess_work(python_template, workload, co
     assert r.returncode == 0, r.stderr[-3000:]
     assert "kept 24" in r.stderr and "step 1/1" in r.stderr
 
-    r = run_as_user(container, ["torchrun", "--nproc-per-node", "2", "/data/allreduce.py"])
+    # plain lxc-attach (what pct exec runs): the /usr/local/bin wrapper finds the venv's torchrun
+    r = container.attach(["torchrun", "--nproc-per-node", "2", "/data/allreduce.py"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     # both ranks print at once, so their lines may run together
     assert sorted(re.findall(r"rank (\d) of 2: all_reduce sum 3", r.stdout)) == ["0", "1"], r.stdout
@@ -235,3 +197,62 @@ def test_container_without_the_init_fails_multiprocess_work_and_the_doctor_says_
     assert "lxc.mount.entry: tmpfs dev/shm tmpfs" in checks["shm"]["reason"]
     assert checks["loopback"]["status"] == "fail" and "Network is unreachable" in checks["loopback"]["reason"]
     assert "lo is DOWN" in checks["loopback"]["reason"] and "ip link set lo up" in checks["loopback"]["reason"]
+
+
+# What each way in searches: lxc-attach --clear-env's own default; pct exec (lxc-attach --keep-env) from a
+# root shell on the host; OpenSSH's compiled-in PATH for `ssh host cmd` (Debian); a login shell (/etc/profile).
+WAYS_IN = {
+    "lxc-attach": [],
+    "pct exec": ["env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+    "ssh command": ["env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin:/usr/games"],
+    "login shell": ["env", "-i", "sh", "-lc", 'exec "$0" "$@"'],
+}
+TOOLS = ("torchrun", "python", "python3", "dflash", "dflash-train")
+
+
+def test_python_torchrun_and_the_console_scripts_are_on_path_for_every_way_in(python_template, workload, container):
+    container.create(python_template, extra=python_mounts(workload))
+    container.start()
+    wait_for_init(container)
+    for way, prefix in WAYS_IN.items():
+        found = container.attach([*prefix, "sh", "-c", f"for t in {' '.join(TOOLS)}; do command -v $t; done"])
+        assert len(found.stdout.split()) == len(TOOLS), (way, found.stdout, found.stderr)
+        # the image's python: the wrapper runs it as the image's user; a login shell as whoever logged in
+        r = container.attach([*prefix, "python", "-c", "import os, sys; print(sys.prefix, os.getuid())"])
+        assert r.stdout.split() == ["/opt/venv", "0" if way == "login shell" else "1000"], (way, r.stdout, r.stderr)
+    r = container.attach(["python", "-c", "import torch; print(torch.__version__)"])
+    assert r.returncode == 0 and r.stdout.strip() == torch_version(), r.stderr[-2000:]
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_entrypoint_as_init_sets_up_shm_and_loopback_or_names_the_config_lines(python_template, workload,
+                                                                               container, uid):
+    """The OCI path: PVE >= 9.1 runs the image's entrypoint as init (lxc.init.uid: the image's USER), not
+    the template's /sbin/init. As root it mounts /dev/shm and brings lo up; as the image's user it cannot,
+    and says which config lines do (push writes them)."""
+    log = container.dir / "console.log"
+    env = ["PATH=/opt/venv/bin:/usr/bin:/bin", f"PYTHONPATH={REPO}", "HF_HUB_OFFLINE=1",
+           "DFLASH_STATE_DIR=/tmp/dflash", "DFLASH_SHM_SIZE=96m"]
+    container.create(python_template, init_cmd="/opt/venv/bin/python3 -m dflash.cli entrypoint sleep infinity",
+                     extra=python_mounts(workload) + [f"lxc.environment = {e}" for e in env] +
+                     [f"lxc.init.uid = {uid}", f"lxc.init.gid = {uid}", f"lxc.console.logfile = {log}"])
+    container.start()
+    deadline = time.monotonic() + 60
+    while "sleep" not in container.attach(["cat", "/proc/1/comm"]).stdout:  # the entrypoint execs the command
+        assert time.monotonic() < deadline, log.read_text()[-2000:] if log.exists() else "no console log"
+        time.sleep(0.3)
+    lo_up = int(container.attach(["cat", "/sys/class/net/lo/flags"]).stdout, 16) & 1
+    if uid == 0:
+        assert shm_kib(container) == 96 * 1024 and lo_up
+        assert container.attach(["stat", "-c", "%a", "/dev/shm"]).stdout.strip() == "1777"
+    else:
+        assert shm_kib(container) is None and not lo_up
+        said = log.read_text()
+        assert "/dev/shm: no tmpfs is mounted and uid 1000 cannot mount one" in said, said[-2000:]
+        assert "lxc.net.99.flags: up" in said and "lxc.mount.entry: tmpfs dev/shm tmpfs" in said

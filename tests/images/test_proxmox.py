@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from images import gpu, proxmox
+from images import gpu, network, proxmox
 from images.errors import GpuError, HostError
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "nvidia-8gpu"
@@ -46,12 +46,17 @@ def test_facts_from_a_real_host_shape():
 
 def test_create_command_matches_pct_options():
     plan = proxmox.ContainerPlan(ctid=200, template="dflash-train-0123456789ab.tar.zst", fmt="template",
-                                 rootfs_storage="local-zfs", rootfs_gb=64, data_storage="nvme-data", data_gb=2000)
+                                 rootfs_storage="local-zfs", rootfs_gb=64, data_storage="nvme-data", data_gb=2000,
+                                 net0="name=eth0,bridge=vmbr0,ip=10.10.0.11/24,gw=10.10.0.1")
     argv = proxmox.render_create(plan)
     assert proxmox.shell(argv) == (
         "pct create 200 local:vztmpl/dflash-train-0123456789ab.tar.zst --hostname dflash-train --ostype unmanaged "
         "--unprivileged 1 --cores 8 --memory 65536 --swap 0 --rootfs local-zfs:64 --features nesting=1 "
-        "--mp0 nvme-data:2000,mp=/data --net0 name=eth0,bridge=vmbr0,ip=dhcp")
+        "--mp0 nvme-data:2000,mp=/data --net0 name=eth0,bridge=vmbr0,ip=10.10.0.11/24,gw=10.10.0.1")
+    # --ostype unmanaged configures nothing inside: LXC sets the address before init runs
+    assert proxmox.render_net_config(plan) == ["lxc.net.0.ipv4.address: 10.10.0.11/24",
+                                               "lxc.net.0.ipv4.gateway: 10.10.0.1"]
+    assert proxmox.render_net_config(proxmox.ContainerPlan(ctid=200, template="x", fmt="oci")) == []
 
 
 def test_gpus_on_pve_9_use_pct_set_dev_lines_and_bind_driver_libraries():
@@ -120,3 +125,36 @@ def test_replace_allows_a_used_ctid_and_old_driver_is_refused():
 def test_not_a_pve_host():
     with pytest.raises(HostError, match="does not look like a Proxmox VE host"):
         proxmox.parse_pveversion("bash: pveversion: command not found")
+
+
+# --- net0: static addresses only, each refusal naming the fix -----------------------------------------
+def test_net0_with_ipv6_renders_both_families_and_plain_lxc_gets_the_whole_interface():
+    net = network.parse_net("name=eth0,bridge=vmbr1,hwaddr=BC:24:11:00:00:01,ip=192.168.5.20/24,gw=192.168.5.1,"
+                            "ip6=fd00::20/64,gw6=fd00::1,mtu=9000,firewall=1")
+    assert network.address_lines(net, 0) == [
+        "lxc.net.0.ipv4.address: 192.168.5.20/24", "lxc.net.0.ipv4.gateway: 192.168.5.1",
+        "lxc.net.0.ipv6.address: fd00::20/64", "lxc.net.0.ipv6.gateway: fd00::1"]
+    assert network.lxc_lines(net, 2)[:6] == [
+        "lxc.net.2.type: veth", "lxc.net.2.name: eth0", "lxc.net.2.flags: up", "lxc.net.2.link: vmbr1",
+        "lxc.net.2.hwaddr: BC:24:11:00:00:01", "lxc.net.2.mtu: 9000"]
+    assert network.address_lines(network.parse_net("name=eth0,bridge=vmbr0,ip=manual,ip6=auto")) == []
+
+
+@pytest.mark.parametrize("net0, message", [
+    ("name=eth0,bridge=vmbr0,ip=dhcp", "ip=dhcp: nothing in the container runs a DHCP client"),
+    ("name=eth0,bridge=vmbr0,ip6=dhcp", "ip6=dhcp: nothing in the container runs a DHCP client"),
+    ("bridge=vmbr0,ip=10.0.0.2/24", "name= is missing"),
+    ("name=eth0,bridge=vmbr0,address=10.0.0.2/24", "'address=10.0.0.2/24' is not a key=value of Proxmox's netN"),
+    ("name=eth0,bridge=vmbr0,ip=10.0.0.2", "ip=10.0.0.2 has no prefix length (write it as 10.0.0.2/24"),
+    ("name=eth0,bridge=vmbr0,ip=10.0.0.300/24", "10.0.0.300/24"),
+    ("name=eth0,bridge=vmbr0,ip=10.0.0.0/24", "is the network's network address"),
+    ("name=eth0,bridge=vmbr0,ip=10.0.0.2/24,gw=10.0.1.1", "gw=10.0.1.1 is outside ip=10.0.0.2/24's network"),
+    ("name=eth0,bridge=vmbr0,gw=10.0.0.1", "gw=10.0.0.1 without an ip= address"),
+    ("name=eth0,bridge=vmbr0,ip=10.0.0.2/24,hwaddr=zz", "hwaddr=zz is not a MAC address"),
+])
+def test_bad_net0_is_refused_before_anything_is_sent(net0, message):
+    plan = proxmox.ContainerPlan(ctid=200, template="x.tar.zst", fmt="template", rootfs_storage="local-zfs",
+                                 gpus="none", net0=net0)
+    with pytest.raises(HostError) as e:
+        proxmox.check_plan(plan, facts(), image_cuda=None)
+    assert message in str(e.value) and f"Example: --net0 {network.EXAMPLE}" in str(e.value)

@@ -1,6 +1,7 @@
 """push end to end: loopback OpenSSH + the pct double (real LXC underneath) + a real export."""
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from images import export, lxc, push
 from images.errors import HostError, PushError
 from loopback import sshd
 from tests.conftest import need_tools
+from tests.support.bridge import lxc_bridge
 from tests.support.demo_image import demo_image_or_skip
 from tests.support.pct_double import start_host
 from wheelbuilder import targets as tg
@@ -150,3 +152,25 @@ def test_failing_doctor_fails_the_push(pve):
     set_pve_version(pve, "8.2.4")
     with pytest.raises(PushError, match="`false` failed inside it"):
         push.push(options(pve, 204, doctor="false"))
+
+
+@pytest.mark.ssh
+@pytest.mark.lxc
+@pytest.mark.docker
+def test_push_with_a_static_net0_gives_eth0_its_address_and_the_hostname(pve):
+    """--ostype unmanaged configures nothing inside (the pct double, like PVE, sets no address from ip=):
+    push's raw lxc.net.0.ipv4.* lines do, before init, which then names the host after the address."""
+    set_pve_version(pve, "8.2.4")
+    with lxc_bridge("10.231.78", "p") as bridge:
+        net0 = f"name=eth0,bridge={bridge},ip=10.231.78.21/24,gw=10.231.78.1"
+        push.push(options(pve, 205, plan={"net0": net0, "hostname": "node-a"}))
+        conf = (pve["base"] / "conf" / "205.conf").read_text()
+        assert f"net0: {net0}\n" in conf
+        assert "lxc.net.0.ipv4.address: 10.231.78.21/24\nlxc.net.0.ipv4.gateway: 10.231.78.1\n" in conf
+        ct = lxc.Container("205", pve["base"] / "lxc")
+        assert ct.attach(["hostname", "-I"]).stdout.split() == ["10.231.78.21"]
+        assert "10.231.78.21\tnode-a\n" in ct.attach(["cat", "/etc/hosts"]).stdout
+        # reachable from the host over the bridge: nothing listens on that port, so the answer is a refusal
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("10.231.78.21", 9), timeout=5)
+        ct.destroy()

@@ -2,8 +2,11 @@
 
 State: $PCT_DOUBLE_CONF_DIR/CTID.conf holds the Proxmox-style config (`key: value`, plus any raw
 `lxc.*` lines appended to it, as on /etc/pve/lxc); $PCT_DOUBLE_ROOT is the LXC path. Differences from
-PVE, on purpose: containers run privileged (no subuid ranges here) and without network; `devN` and
-`mpN` become bind mounts at start, and a missing device node fails the start as PVE does.
+PVE, on purpose: containers run privileged (no subuid ranges here); `devN` and `mpN` become bind mounts
+at start, and a missing device node fails the start as PVE does. `netN` becomes the veth that
+pve-container writes (type, name, link to the bridge, hwaddr, mtu, up) when the bridge exists on this
+machine, else the container has no network; as on PVE with `--ostype unmanaged`, no address is set from
+`ip=`: only raw `lxc.net.N.ipv4.*` lines (what push appends) give one.
 """
 
 from __future__ import annotations
@@ -108,15 +111,33 @@ def lxc_lines(ctid: str, items: list[tuple[str, str]]) -> tuple[list[str], str |
             vol = ROOT / f"{ctid}-volumes" / key
             vol.mkdir(parents=True, exist_ok=True)
             lines.append(f"lxc.mount.entry = {vol} {mp.lstrip('/')} none bind,create=dir 0 0")
+        elif key == "hostname":  # pve-container: lxc.uts.name from the hostname option
+            lines.append(f"lxc.uts.name = {value}")
+        elif re.fullmatch(r"net\d+", key):
+            lines += veth_lines(int(key[3:]), value)
         elif key == "entrypoint":
             entrypoint = value
     return lines, entrypoint
+
+
+def veth_lines(index: int, value: str) -> list[str]:
+    """pve-container's lxc.net.N lines for a netN value (no addresses: ostype unmanaged sets none)."""
+    net = dict(p.split("=", 1) for p in value.split(",") if "=" in p)
+    bridge = net.get("bridge")
+    if not bridge or not Path("/sys/class/net", bridge, "bridge").is_dir():
+        return []
+    k = f"lxc.net.{index}"
+    lines = [f"{k}.type = veth", f"{k}.link = {bridge}", f"{k}.name = {net.get('name', 'eth0')}", f"{k}.flags = up"]
+    lines += [f"{k}.{lxc_key} = {net[key]}" for key, lxc_key in (("hwaddr", "hwaddr"), ("mtu", "mtu")) if key in net]
+    return lines
 
 
 def cmd_start(ctid: str) -> None:
     c = container(ctid)
     extra, entrypoint = lxc_lines(ctid, read_conf(ctid))
     config = (c.dir / "config").read_text().split("\n# pct double\n")[0]
+    if any(line.startswith("lxc.net.0.type = veth") for line in extra):  # net0 takes the place of `empty`
+        config = config.replace("lxc.net.0.type = empty\n", "")
     init = [f"lxc.init.cmd = {entrypoint}"] if entrypoint else []
     c.write_config(config + "\n# pct double\n" + "\n".join(init + extra) + "\n")
     c.start()
