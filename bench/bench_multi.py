@@ -6,9 +6,9 @@ side by side in one run, and where the drafter forward's time goes (torch.profil
 
 What is measured, all in one process on one random target (dflash.model.shapes; 27b = Qwen3.5-27B's shape,
 26.9B parameters, bf16; 2 sequences x 4096 tokens, 512 anchors per sequence, block 16, 5-layer drafters):
-  K = 1   today's trainer (dflash.train.trainer.Trainer._optimizer_step: its own target forward); K
+  K = 1   the training loop with one drafter (dflash.train.loop.TrainingLoop._optimizer_step); K
           separate runs of such a drafter do K drafter-steps in K times its step time.
-  K = 2,3 dflash.train.multi.MultiTrainer._optimizer_step with K drafters of the same shape: one target
+  K = 2,3 the same loop with K drafters of the same shape: one target
           forward per micro-batch, then each drafter's forward, backward and optimizer step.
   speed-up = (K / seconds of a K-drafter step) / (1 / seconds of a K = 1 step): drafter-steps per second
   against K separate runs. Medians of --steps steps after --warmup (each step CUDA-synchronised).
@@ -47,14 +47,14 @@ from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs
 from dflash.errors import TrainError
 from dflash.train.flops import batch_flops
-from dflash.train.multi import MultiTrainer
+from dflash.train.lane import Lane
+from dflash.train.loop import TrainingLoop
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.signals import StopFlag
 from dflash.train.step import micro_batch_sums
 from dflash.train.synthetic import synthetic_items
 from dflash.train.timing import free_memory, matmul_peak, sync
 from dflash.train.setup import auto_precision
-from dflash.train.trainer import Trainer
 
 
 def run_config(out: str, args, layers: int, device: torch.device) -> TrainConfig:
@@ -78,22 +78,18 @@ def step_seconds(step, device, warmup: int, steps: int) -> list[float]:
 
 
 def measure_k(k: int, target, items, args, layers: int, device, d) -> dict:
-    """Median seconds of an optimizer step training k drafters (k = 1: today's Trainer)."""
+    """Median seconds of an optimizer step training k drafters on one target pass."""
     row = {"k": k, "drafter_layers": layers}
     with tempfile.TemporaryDirectory(prefix=f"bench-multi-k{k}-") as out:
         config = run_config(out, args, layers, device)
         trainer = None
         try:
-            if k == 1:
-                trainer = Trainer(config, target, items, d, StopFlag())
-                trainer.heartbeat = None
-                trainer.drafter.train()
-            else:
-                configs = drafter_configs(config, [DrafterSpec(f"d{i}", {"lr": 6e-4 * (i + 1)}) for i in range(k)])
-                trainer = MultiTrainer(configs, target, items, d, StopFlag())
-                trainer.heartbeat = None
-                for lane in trainer.lanes.values():
-                    lane.drafter.train()
+            configs = ({"": config} if k == 1 else
+                       drafter_configs(config, [DrafterSpec(f"d{i}", {"lr": 6e-4 * (i + 1)}) for i in range(k)]))
+            trainer = TrainingLoop(configs, target, items, d, StopFlag())
+            trainer.heartbeat = None
+            for lane in trainer.lanes.values():
+                lane.drafter.train()
             times = step_seconds(trainer._optimizer_step, device, args.warmup, args.steps)
             row.update(step_s=statistics.median(times), steps_s=[round(t, 4) for t in times])
             if device.type == "cuda":
@@ -115,7 +111,7 @@ def profile_forward(target, items, args, device, peak: float | None, profile_out
 
     with tempfile.TemporaryDirectory(prefix="bench-multi-prof-") as out:
         config = run_config(out, args, args.layers, device)
-        trainer = Trainer(config, target, items, d=distributed.Dist(0, 1, 0, device), stop=StopFlag())
+        trainer = Lane(config, target, items, d=distributed.Dist(0, 1, 0, device))
         epoch, indices = trainer.order.next()
         batch, anchors = trainer._collate_shard(epoch, indices)
         context = target.context(batch["input_ids"], batch["attention_mask"])

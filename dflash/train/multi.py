@@ -3,22 +3,13 @@ to every drafter.
 
     dflash-train --config sweep.toml          (a `drafters` list: dflash.config.drafters)
 
-Each drafter is a full Trainer (dflash.train.trainer) of its own config, run directory
-(<out>/drafters/NAME: config.json, metrics.jsonl, checkpoints/, drafter/, report/), optimizer, LR schedule,
-metrics and, under torchrun, its own DDP wrapper. This module only drives them together:
-
-    per micro-batch   the data order's next indices (one DataOrder, shared), this rank's items collated once,
-                      target.context once (tapping the union of the drafters' layers: dflash.train.taps);
-                      then for each drafter: its columns of it, its anchors (its own --max-anchors, from the
-                      same per-sequence generators a run of it alone uses), forward, backward
-    per step          each drafter's clip, AdamW and LR step, metrics record, checkpoint (same steps)
-    at the end        each drafter's last checkpoint and exported drafter
-
-Every drafter keeps its own global RNG stream (`_own_rng`: the state right after its init, as a run of it
-alone would have, swapped in around everything it runs), so no drafter perturbs another, and each ends
-bit-identical to a run of it alone with the same seed. <out> holds the run's config.json and train.log;
-<out>/drafters/drafters.json lists the drafters for --resume, which resumes them all from their own
-latest checkpoints (they must all be at the same step).
+Each drafter is a Lane (dflash.train.lane) of its own config, run directory (<out>/drafters/NAME:
+config.json, metrics.jsonl, checkpoints/, drafter/, report/), optimizer, LR schedule, metrics and, under
+torchrun, its own DDP or FSDP2 wrapper; the loop that drives them is the one a single drafter trains in
+(dflash.train.loop). This module sets such a run up: every drafter's options checked, their tapped layers
+(the target pass taps the union: dflash.train.taps), the memory they need, the target and data loaded once.
+<out> holds the run's config.json and train.log; <out>/drafters/drafters.json lists the drafters for
+--resume, which resumes them all from their own latest checkpoints (they must all be at the same step).
 
 Memory: `drafter_state_bytes` is what one drafter's training state takes (fp32 weights, gradients and
 AdamW's two moments); `check_drafters_fit` refuses a run whose drafters and target would not fit on
@@ -28,41 +19,28 @@ the GPU before any weights load.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 
 import torch
 
-from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs, write_plan
-from dflash.data.batches import collate, load_items
-from dflash.train.pack_batches import pack_micro_batch, rank_pack
-from dflash.errors import SAID_BY_RANK_0, CheckpointError, ConfigError, DflashError
+from dflash.data.batches import load_items
+from dflash.errors import SAID_BY_RANK_0, ConfigError, DflashError
 from dflash.model.dflash2 import dflash2_extra_params
-from dflash.train import checkpoint as ckpt
 from dflash.train import layouts, pipeline
 from dflash.train.evaluation import eval_split
-from dflash.train.heartbeat import Heartbeat
 from dflash.train.monitor import claimed_run
 from dflash.train.precheck import check_before_loading, check_resume_checkpoint
 from dflash.train.rundir import RunDir
 from dflash.train.signals import StopFlag
-from dflash.train.taps import TargetView, tapped_layers, union
+from dflash.train.taps import tapped_layers, union
 from dflash.train.setup import attention_impl, load_target
-from dflash.train.trainer import Trainer, TrainResult, known_fault
+from dflash.train.loop import LoopResult, TrainingLoop
+from dflash.train.trainer import known_fault
 
 log = logging.getLogger("dflash.train")
-
-
-@dataclass
-class MultiResult:
-    results: dict[str, TrainResult] = field(default_factory=dict)  # per drafter name, in the config's order
-    step: int = 0
-    stopped_by: str | None = None
-    exit_code: int = 0
 
 
 # --- memory ----------------------------------------------------------------------------------------
@@ -136,154 +114,6 @@ def check_memory(configs: dict[str, TrainConfig], target, device: torch.device, 
     check_drafters_fit(params, target_bytes, torch.cuda.get_device_properties(device).total_memory)
 
 
-# --- the run ---------------------------------------------------------------------------------------
-class MultiTrainer:
-    """K Trainers driven from one target pass; `run()` trains them all. Build it with `train_multi()`."""
-
-    def __init__(self, configs: dict[str, TrainConfig], target, items: list[dict], d: distributed.Dist,
-                 stop: StopFlag, on_step: Callable[[int, dict], bool] | None = None,
-                 eval_items: list[dict] | None = None, layers: dict[str, list[int]] | None = None):
-        """`layers`: each drafter's tapped target layers when they are not all the target's (dflash.train.taps)."""
-        self.target, self.d, self.stop, self.on_step = target, d, stop, on_step
-        self.lanes: dict[str, Trainer] = {}
-        self.rng: dict[str, dict] = {}
-        for name, config in configs.items():
-            sees = TargetView(target, layers[name]) if layers and layers[name] != list(target.layer_ids) else target
-            lane = Trainer(config, sees, items, d, stop, None, eval_items)  # seeds the RNG, then inits
-            lane.heartbeat = None  # the run beats once, below
-            self.rng[name] = ckpt.capture_rng()  # this drafter's stream, as a run of it alone has it now
-            self.lanes[name] = lane
-        self.first = next(iter(self.lanes.values()))
-        self.config = self.first.config
-        self.heartbeat = Heartbeat(every=self.config.runtime.heartbeat_every) if d.is_main else None
-        self._share_order()
-
-    def _share_order(self) -> None:
-        """One DataOrder for all drafters (their checkpoints store its position); refuse drafters that are
-        not at the same place in the data."""
-        states = {name: (lane.step, lane.order.state()) for name, lane in self.lanes.items()}
-        if len(set(map(repr, states.values()))) > 1:
-            where = ", ".join(f"{name} at step {s}" for name, (s, _o) in states.items())
-            raise CheckpointError(f"--resume: the drafters' latest checkpoints are not at the same step ({where}); "
-                                  "a run stopped between them. Point each drafter's checkpoints/latest at their "
-                                  "common step, then --resume again.")
-        for lane in self.lanes.values():
-            lane.order = self.first.order
-
-    @contextmanager
-    def _own_rng(self, name: str):
-        """Run with drafter `name`'s global RNG stream; keep where it got to."""
-        ckpt.restore_rng(self.rng[name])
-        try:
-            yield
-        finally:
-            self.rng[name] = ckpt.capture_rng()
-
-    def restore(self) -> None:
-        for name, lane in self.lanes.items():
-            lane.restore()
-            self.rng[name] = ckpt.capture_rng()
-        self._share_order()
-
-    @property
-    def step(self) -> int:
-        return self.first.step
-
-    @property
-    def total_steps(self) -> int:
-        return self.first.total_steps
-
-    def _optimizer_step(self) -> dict[str, dict]:
-        """grad_accum micro-batches, each with one target forward for all drafters; then each drafter's step."""
-        accum = self.config.optim.grad_accum
-        totals: dict[str, torch.Tensor] = {}
-        for k in range(accum):
-            epoch, indices = self.first.order.next()
-            if self.first.packed:  # this rank's pack and its anchors, the same for every drafter
-                mine, items, _stand_in = rank_pack(indices, self.first.items, self.d.rank)
-                batch, pack_anchors, counted = pack_micro_batch(self.config, epoch, mine, items, self.first.pad_id,
-                                                                self.d.device)
-                context = self.target.context(batch["input_ids"], segments=batch["segments"])
-            else:
-                mine, items = self.first._shard(indices)
-                batch = {key: v.to(self.d.device) for key, v in collate(items, self.first.pad_id).items()}
-                context = self.target.context(batch["input_ids"], batch["attention_mask"])
-            for name, lane in self.lanes.items():
-                with self._own_rng(name):
-                    if self.first.packed:
-                        anchors = pack_anchors
-                        lane.monitor.count(items, counted)
-                    else:
-                        anchors = lane._anchors(epoch, mine, items)
-                    mine_context = lane.target.select(context) if isinstance(lane.target, TargetView) else context
-                    sums = lane._micro_step(batch, anchors, sync=k == accum - 1, context=mine_context)
-                totals[name] = sums.pack() if name not in totals else totals[name] + sums.pack()
-            if self.heartbeat:
-                self.heartbeat.beat(self.step)
-        records = {}
-        for name, lane in self.lanes.items():
-            with self._own_rng(name):
-                records[name] = lane._apply_step(totals[name])
-        return records
-
-    def _save(self) -> None:
-        for name, lane in self.lanes.items():
-            with self._own_rng(name):
-                lane.save()
-
-    def run(self) -> MultiResult:
-        from tqdm.auto import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
-        runtime, d = self.config.runtime, self.d
-        result = MultiResult(results={name: TrainResult(drafter=lane.drafter, step=lane.step)
-                                      for name, lane in self.lanes.items()})
-        with logging_redirect_tqdm(loggers=[logging.getLogger("dflash")]):
-            bar = tqdm(total=self.total_steps, initial=self.step, desc=f"train x{len(self.lanes)}", unit="step",
-                       disable=not (runtime.progress and d.is_main), dynamic_ncols=True)
-            for lane in self.lanes.values():
-                lane.drafter.train()
-            if self.heartbeat:
-                self.heartbeat.beat(self.step, force=True)
-            while self.step < self.total_steps:
-                records = self._optimizer_step()
-                for name, m in records.items():
-                    with self._own_rng(name):  # a due evaluation runs with this drafter's stream too
-                        self.lanes[name].monitor.step(m)
-                    result.results[name].history.append(m)
-                bar.update(1)
-                bar.set_postfix({name: f"{m['loss']:.3f}" for name, m in records.items()})
-                if self.on_step and self.on_step(self.step, records):
-                    self.stop.request("request")
-                if distributed.any_rank(d, bool(self.stop)):
-                    result.stopped_by = self.stop.reason or "another rank"
-                    break
-                if runtime.save_every and self.step % runtime.save_every == 0 and self.step < self.total_steps:
-                    self._save()
-            bar.close()
-            for name, lane in self.lanes.items():
-                lane_result = result.results[name]
-                lane_result.stopped_by = result.stopped_by
-                with self._own_rng(name):
-                    lane._finish(lane_result)
-        if self.heartbeat:
-            self.heartbeat.finish(self.step)
-        if d.is_main:
-            self._compare()
-        result.step = self.step
-        result.exit_code = self.stop.exit_code if result.stopped_by else 0
-        return result
-
-    def _compare(self) -> None:
-        from dflash.train.run_compare import write_comparison
-
-        root = Path(self.config.io.out).parent.parent  # <out>/drafters/NAME -> <out>
-        try:
-            log.info("drafters compared in %s", write_comparison(root))
-        except Exception as exc:  # the drafters stand without the comparison
-            log.warning("could not compare the drafters: %s (run `dflash report %s` to retry)", exc, root)
-
-
 def _drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target) -> dict[str, list[int]]:
     """Each drafter's tapped target layers, checked against the target's config.json (or the `target` given)
     before any weight loads."""
@@ -306,7 +136,7 @@ def _drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target
 
 
 def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, items: list[dict] | None = None,
-                on_step: Callable[[int, dict], bool] | None = None, handle_signals: bool = True) -> MultiResult:
+                on_step: Callable[[int, dict], bool] | None = None, handle_signals: bool = True) -> LoopResult:
     """Train the drafters `specs` names on one pass of `config`'s target and data (as train() does one).
     `on_step(step, {name: metrics})` may return True to stop the run as SIGTERM would."""
     configs = drafter_configs(config, specs)  # every drafter's options checked before anything else
@@ -328,7 +158,7 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
                 target, d, items = pipeline.place(config, d, lambda: target or load_target(tapping, d.device, cpu=True),
                                                   lambda t: load_items(config, t) if items is None else items, stop)
                 if target is None:  # a stage rank, done serving
-                    return MultiResult(stopped_by=stop.reason, exit_code=stop.exit_code if stop else 0)
+                    return LoopResult(stopped_by=stop.reason, exit_code=stop.exit_code if stop else 0)
             if target is None:  # tapping every drafter's layers
                 target = load_target(tapping, d.device)
             if items is None:
@@ -340,7 +170,7 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
                 for cfg in configs.values():
                     Path(cfg.io.out).mkdir(parents=True, exist_ok=True)
                     cfg.to_json(RunDir(cfg.io.out).config)
-            trainer = MultiTrainer(configs, target, items, d, stop, on_step, eval_items, layers)
+            trainer = TrainingLoop(configs, target, items, d, stop, on_step, eval_items, layers)
             if config.io.resume:
                 trainer.restore()
             log.info("training %d drafters (%s) for %d steps on %d sequences, one target pass, world size %d, "

@@ -9,19 +9,7 @@ import torch
 
 from dflash.cli import train_config
 from dflash.train.trainer import train
-from tests.support.dflash_train_fixtures import drop_run_log_handlers, save_chat_target, train_args, write_chat_jsonl
-
-
-@pytest.fixture(autouse=True)
-def no_handlers_left_by_a_run():
-    yield
-    drop_run_log_handlers()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compiled")
-    return save_chat_target(root / "target"), write_chat_jsonl(root / "chat.jsonl", n=24)
+from tests.support.dflash_train_fixtures import train_args
 
 
 def _graphs() -> int:
@@ -30,9 +18,9 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _run(tiny, out, device: str, **batching) -> tuple[list[int], list[tuple[int, ...]]]:
+def _run(tiny_chat, out, device: str, **batching) -> tuple[list[int], list[tuple[int, ...]]]:
     """(graphs compiled so far after each step, the token count of each step) of a 3-step compiled run."""
-    target, data = tiny
+    target, data = tiny_chat
     graphs, tokens = [], []
 
     def on_step(step, m):
@@ -46,20 +34,20 @@ def _run(tiny, out, device: str, **batching) -> tuple[list[int], list[tuple[int,
     return graphs, tokens
 
 
-def _check(tiny, tmp_path, device):
+def _check(tiny_chat, tmp_path, device):
     torch._dynamo.reset()
-    graphs, tokens = _run(tiny, tmp_path / "packed", device, packing="on", pack_tokens=256, pack_anchors=24)
+    graphs, tokens = _run(tiny_chat, tmp_path / "packed", device, packing="on", pack_tokens=256, pack_anchors=24)
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, f"packed rows recompiled: {graphs}"
     torch._dynamo.reset()
-    graphs, tokens = _run(tiny, tmp_path / "padded", device, packing="off", batch_size=2, max_tokens=400, max_length=200)
+    graphs, tokens = _run(tiny_chat, tmp_path / "padded", device, packing="off", batch_size=2, max_tokens=400, max_length=200)
     assert len(set(tokens)) > 1, "the padded run should meet more than one batch shape"
 
 
 @pytest.mark.slow  # inductor compiles the layer's forward and backward on the CPU: about 3 minutes
-def test_packed_rows_compile_once_and_padded_shapes_compile_without_a_crash_on_the_cpu(tiny, tmp_path):
-    _check(tiny, tmp_path, "cpu")
+def test_packed_rows_compile_once_and_padded_shapes_compile_without_a_crash_on_the_cpu(tiny_chat, tmp_path):
+    _check(tiny_chat, tmp_path, "cpu")
 
 
 @pytest.mark.gpu
-def test_the_same_on_the_gpu_with_flex_attention(tiny, tmp_path):
-    _check(tiny, tmp_path, "cuda")
+def test_the_same_on_the_gpu_with_flex_attention(tiny_chat, tmp_path):
+    _check(tiny_chat, tmp_path, "cuda")

@@ -23,16 +23,10 @@ from dflash.cli import train_main
 from dflash.train import checkpoint as ckpt
 from dflash.train.rundir import RunDir
 from tests.support.bad_input import assert_clear_failure
-from tests.support.dflash_train_fixtures import drop_run_log_handlers, save_chat_target, train_args, write_chat_jsonl
+from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
 SHARD = dict(layout="shard", max_steps=3, save_every=2, drafter_layers=2, target_layer_ids="1,2")
-
-
-@pytest.fixture(autouse=True)
-def no_handlers_left_by_a_run():
-    yield
-    drop_run_log_handlers()
 
 
 @pytest.fixture(scope="module")

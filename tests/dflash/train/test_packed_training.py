@@ -18,30 +18,17 @@ from dflash.io.drafter import load_drafter
 from dflash.model.dflash2 import DFlash2Drafter
 from dflash.train.rundir import RunDir
 from dflash.train.trainer import train
-from tests.support.dflash_train_fixtures import (drop_run_log_handlers, read_metrics, save_chat_target, train_args,
-                                                 write_chat_jsonl)
+from tests.support.dflash_train_fixtures import (drop_run_log_handlers, read_metrics, train_args)
 
 PACKED = dict(packing="on", pack_tokens=256, pack_anchors=24)
-
-
-@pytest.fixture(autouse=True)
-def no_handlers_left_by_a_run():
-    yield
-    drop_run_log_handlers()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packed")
-    return save_chat_target(root / "target"), write_chat_jsonl(root / "chat.jsonl", n=24)
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_drafter(RunDir(out).drafter, dtype=torch.float32).state_dict()
 
 
-def test_a_packed_run_counts_real_tokens_and_resumes_to_the_same_drafter(tiny, tmp_path):
-    target, data = tiny
+def test_a_packed_run_counts_real_tokens_and_resumes_to_the_same_drafter(tiny_chat, tmp_path):
+    target, data = tiny_chat
     whole = tmp_path / "whole"
     assert train_main(train_args(target, data, whole, max_steps=4, drafter_layers=2, **PACKED)) == 0
     records = [m for m in read_metrics(whole) if m.get("split") == "train"]
@@ -57,8 +44,8 @@ def test_a_packed_run_counts_real_tokens_and_resumes_to_the_same_drafter(tiny, t
         assert torch.equal(w, _weights(parts)[name]), name
 
 
-def test_resuming_with_the_other_batching_is_refused_by_name(tiny, tmp_path):
-    target, data = tiny
+def test_resuming_with_the_other_batching_is_refused_by_name(tiny_chat, tmp_path):
+    target, data = tiny_chat
     out = tmp_path / "run"
     first = train_config(train_args(target, data, out, max_steps=4, **PACKED))
     train(first, handle_signals=False, on_step=lambda step, m: step == 1)
@@ -70,8 +57,8 @@ def test_resuming_with_the_other_batching_is_refused_by_name(tiny, tmp_path):
 
 @pytest.mark.parametrize("layout", ["replicate", "shard", "offload"])
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_every_layout_trains_packed(tiny, tmp_path, layout, kind):
-    target, data = tiny
+def test_every_layout_trains_packed(tiny_chat, tmp_path, layout, kind):
+    target, data = tiny_chat
     out = tmp_path / "run"
     assert train_main(train_args(target, data, out, layout=layout, drafter_kind=kind, max_steps=2, save_every=1,
                                  eval_fraction=0.2, eval_every=2, **PACKED)) == 0
@@ -80,8 +67,8 @@ def test_every_layout_trains_packed(tiny, tmp_path, layout, kind):
     assert isinstance(load_drafter(RunDir(out).drafter), DFlash2Drafter) == (kind == "dflash2")
 
 
-def test_two_drafters_of_both_kinds_train_on_one_packed_target_pass(tiny, tmp_path):
-    target, data = tiny
+def test_two_drafters_of_both_kinds_train_on_one_packed_target_pass(tiny_chat, tmp_path):
+    target, data = tiny_chat
     sweep = tmp_path / "sweep.toml"
     sweep.write_text('[[drafters]]\nname = "one"\n\n[[drafters]]\nname = "two"\ndrafter-kind = "dflash2"\n')
     out = tmp_path / "both"
@@ -93,8 +80,8 @@ def test_two_drafters_of_both_kinds_train_on_one_packed_target_pass(tiny, tmp_pa
 
 @pytest.mark.slow  # two torchrun launches of 2 gloo processes (about 40 s each)
 @pytest.mark.parametrize("layout", ["replicate", "pipeline"])
-def test_two_ranks_each_train_their_own_pack(tiny, tmp_path, layout):
-    target, data = tiny
+def test_two_ranks_each_train_their_own_pack(tiny_chat, tmp_path, layout):
+    target, data = tiny_chat
     out = tmp_path / layout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_HEARTBEAT": str(tmp_path / "heartbeat")}
     extra = dict(target_stages=1, target_layer_ids="1,2") if layout == "pipeline" else {}

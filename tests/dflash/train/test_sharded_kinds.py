@@ -14,13 +14,7 @@ from dflash.io.drafter import load_drafter
 from dflash.model.dflash2 import DFlash2Drafter
 from dflash.train import checkpoint as ckpt
 from dflash.train.rundir import RunDir
-from tests.support.dflash_train_fixtures import drop_run_log_handlers, save_chat_target, train_args, write_chat_jsonl
-
-
-@pytest.fixture(autouse=True)
-def no_handlers_left_by_a_run():
-    yield
-    drop_run_log_handlers()
+from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,218 @@
+"""The training loop, for one drafter or several on one target pass.
+
+    TrainingLoop(configs, target, items, d, stop)    one Lane (dflash.train.lane) per drafter config
+        per micro-batch   the data order's next indices (one order, shared), this rank's share collated once
+                          (padded, or its pack: dflash.train.pack_batches), target.context once (tapping the
+                          union of the drafters' layers: dflash.train.taps); then for each drafter: its
+                          columns of it, its anchors, forward, backward
+        per step          each drafter's clip, AdamW and LR step, metrics record, checkpoint (same steps)
+        at the end        each drafter's last checkpoint and exported drafter
+
+dflash.train.trainer.train() runs it with one drafter into --out, dflash.train.multi.train_multi() with a
+`drafters` list into <out>/drafters/NAME. With several, every drafter keeps its own global RNG stream (the
+state right after its init, as a run of it alone has it, swapped in around everything it runs), so no drafter
+perturbs another and each ends bit-identical to a run of it alone with the same seed.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Callable
+
+import torch
+
+from dflash import distributed
+from dflash.config import TrainConfig
+from dflash.data.batches import collate
+from dflash.errors import CheckpointError
+from dflash.train import checkpoint as ckpt
+from dflash.train.heartbeat import Heartbeat
+from dflash.train.lane import Lane, TrainResult
+from dflash.train.pack_batches import pack_micro_batch, rank_pack
+from dflash.train.signals import StopFlag
+from dflash.train.taps import TargetView
+
+log = logging.getLogger("dflash.train")
+
+
+@dataclass
+class LoopResult:
+    results: dict[str, TrainResult] = field(default_factory=dict)  # per drafter name, in the config's order
+    step: int = 0
+    stopped_by: str | None = None
+    exit_code: int = 0
+
+
+class TrainingLoop:
+    """The lanes of 1..K drafters driven from one target pass; `run()` trains them all."""
+
+    def __init__(self, configs: dict[str, TrainConfig], target, items: list[dict], d: distributed.Dist,
+                 stop: StopFlag, on_step: Callable[[int, dict], bool] | None = None,
+                 eval_items: list[dict] | None = None, layers: dict[str, list[int]] | None = None):
+        """`layers`: each drafter's tapped target layers when they are not all the target's (dflash.train.taps).
+        `on_step(step, {name: metrics})` may return True to stop as SIGTERM would."""
+        self.target, self.d, self.stop, self.on_step = target, d, stop, on_step
+        self.lanes: dict[str, Lane] = {}
+        self.rng: dict[str, dict] = {}
+        for name, config in configs.items():
+            sees = TargetView(target, layers[name]) if layers and layers[name] != list(target.layer_ids) else target
+            self.lanes[name] = Lane(config, sees, items, d, eval_items)  # seeds the RNG, then inits
+            if len(configs) > 1:
+                self.rng[name] = ckpt.capture_rng()  # this drafter's stream, as a run of it alone has it now
+        self.first = next(iter(self.lanes.values()))
+        self.config = self.first.config
+        self.heartbeat = Heartbeat(every=self.config.runtime.heartbeat_every) if d.is_main else None
+        self._share_order()
+
+    def _share_order(self) -> None:
+        """One data order for all drafters (their checkpoints store its position); refuse drafters that are
+        not at the same place in the data."""
+        states = {name: (lane.step, lane.order.state()) for name, lane in self.lanes.items()}
+        if len(set(map(repr, states.values()))) > 1:
+            where = ", ".join(f"{name} at step {s}" for name, (s, _o) in states.items())
+            raise CheckpointError(f"--resume: the drafters' latest checkpoints are not at the same step ({where}); "
+                                  "a run stopped between them. Point each drafter's checkpoints/latest at their "
+                                  "common step, then --resume again.")
+        for lane in self.lanes.values():
+            lane.order = self.first.order
+
+    @contextmanager
+    def _own_rng(self, name: str):
+        """Run with drafter `name`'s global RNG stream and keep where it got to (one drafter: its stream is
+        the process's)."""
+        if name not in self.rng:
+            yield
+            return
+        ckpt.restore_rng(self.rng[name])
+        try:
+            yield
+        finally:
+            self.rng[name] = ckpt.capture_rng()
+
+    def restore(self) -> None:
+        for name, lane in self.lanes.items():
+            lane.restore()
+            if name in self.rng:
+                self.rng[name] = ckpt.capture_rng()
+        self._share_order()
+
+    @property
+    def step(self) -> int:
+        return self.first.step
+
+    @property
+    def total_steps(self) -> int:
+        return self.first.total_steps
+
+    # --- one optimizer step ------------------------------------------------------------------------
+    def _share(self, epoch: int, indices: list):
+        """This rank's share of a global micro-batch: (batch on the device, the tapped states of every drafter's
+        layers, anchors_for(lane))."""
+        first, device = self.first, self.d.device
+        if first.packed:  # this rank's pack and its anchors, the same for every drafter
+            mine, items, _stand_in = rank_pack(indices, first.items, self.d.rank)
+            batch, pack_anchors, counted = pack_micro_batch(self.config, epoch, mine, items, first.pad_id, device)
+            context = self.target.context(batch["input_ids"], segments=batch["segments"])
+
+            def anchors_for(lane: Lane) -> list[torch.Tensor]:
+                lane.monitor.count(items, counted)
+                return pack_anchors
+        else:
+            mine, items = first._shard(indices)
+            batch = {key: v.to(device) for key, v in collate(items, first.pad_id).items()}
+            context = self.target.context(batch["input_ids"], batch["attention_mask"])
+
+            def anchors_for(lane: Lane) -> list[torch.Tensor]:  # its own --max-anchors, counted
+                return lane._anchors(epoch, mine, items)
+        return batch, context, anchors_for
+
+    def _optimizer_step(self) -> dict[str, dict]:
+        """grad_accum micro-batches, each with one target forward for all drafters; then each drafter's step."""
+        accum = self.config.optim.grad_accum
+        totals: dict[str, torch.Tensor] = {}
+        for k in range(accum):
+            epoch, indices = self.first.order.next()
+            batch, context, anchors_for = self._share(epoch, indices)
+            for name, lane in self.lanes.items():
+                with self._own_rng(name):
+                    mine = lane.target.select(context) if isinstance(lane.target, TargetView) else context
+                    sums = lane._micro_step(batch, anchors_for(lane), sync=k == accum - 1, context=mine)
+                totals[name] = sums.pack() if name not in totals else totals[name] + sums.pack()
+            if self.heartbeat:
+                self.heartbeat.beat(self.step)
+        records = {}
+        for name, lane in self.lanes.items():
+            with self._own_rng(name):
+                records[name] = lane._apply_step(totals[name])
+        return records
+
+    def _save(self) -> None:
+        for name, lane in self.lanes.items():
+            with self._own_rng(name):
+                lane.save()
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def run(self) -> LoopResult:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        # log lines go through tqdm.write so that they do not tear the progress bar
+        with logging_redirect_tqdm(loggers=[logging.getLogger("dflash")]):
+            result = self._run()
+        if self.heartbeat:
+            self.heartbeat.finish(self.step)
+        if self.d.is_main and len(self.lanes) > 1:
+            self._compare()
+        result.step = self.step
+        result.exit_code = self.stop.exit_code if result.stopped_by else 0
+        return result
+
+    def _run(self) -> LoopResult:
+        from tqdm.auto import tqdm
+
+        runtime, d, single = self.config.runtime, self.d, len(self.lanes) == 1
+        result = LoopResult(results={name: TrainResult(drafter=lane.drafter, step=lane.step)
+                                     for name, lane in self.lanes.items()})
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train" if single else f"train x{len(self.lanes)}",
+                   unit="step", disable=not (runtime.progress and d.is_main), dynamic_ncols=True)
+        for lane in self.lanes.values():
+            lane.drafter.train()
+        if self.heartbeat:
+            self.heartbeat.beat(self.step, force=True)
+        while self.step < self.total_steps:
+            records = self._optimizer_step()
+            for name, m in records.items():
+                with self._own_rng(name):  # a due evaluation runs with this drafter's stream too
+                    self.lanes[name].monitor.step(m)
+                result.results[name].history.append(m)
+            bar.update(1)
+            if single:
+                m = next(iter(records.values()))
+                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", tok_s=f"{m['tokens_per_s']:.0f}")
+            else:
+                bar.set_postfix({name: f"{m['loss']:.3f}" for name, m in records.items()})
+            if self.on_step and self.on_step(self.step, records):
+                self.stop.request("request")
+            if distributed.any_rank(d, bool(self.stop)):
+                result.stopped_by = self.stop.reason or "another rank"
+                break
+            if runtime.save_every and self.step % runtime.save_every == 0 and self.step < self.total_steps:
+                self._save()
+        bar.close()
+        for name, lane in self.lanes.items():
+            lane_result = result.results[name]
+            lane_result.stopped_by = result.stopped_by
+            with self._own_rng(name):
+                lane._finish(lane_result, self.stop)
+        return result
+
+    def _compare(self) -> None:
+        from dflash.train.run_compare import write_comparison
+
+        root = Path(self.config.io.out).parent.parent  # <out>/drafters/NAME -> <out>
+        try:
+            log.info("drafters compared in %s", write_comparison(root))
+        except Exception as exc:  # the drafters stand without the comparison
+            log.warning("could not compare the drafters: %s (run `dflash report %s` to retry)", exc, root)
