@@ -316,6 +316,7 @@ COMMANDS: dict[str, Subcommand] = {
     "regenerate": Subcommand(_regenerate, "rewrite a chat JSONL's answers with the target's own responses"),
     "report": Subcommand(_report, "plots and a summary of a training run (RUN_DIR/report)"),
     "plan": Subcommand(_plan, "which --layout fits a card: each rank's predicted peak memory and tokens/s"),
+    "fp8-write": Subcommand(_doctor_command("dflash.model.fp8_checkpoint"), "write the FP8 copy of a bf16 model"),
     "doctor": Subcommand(_doctor_command("dflash.doctor.doctor"),
                          "report the GatedDeltaNet kernels, versions and arch coverage", framed=False),
     "healthcheck": Subcommand(_doctor_command("dflash.doctor.healthcheck"),

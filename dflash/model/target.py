@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import TargetError
+from dflash.model.fp8_checkpoint import check_fp8_target, fp8_precision
 from dflash.model.kernels import kernel_functions, route_kernels_by_device
 from dflash.model.segments import Segments
 
@@ -229,7 +230,11 @@ def packed_decoder_kwargs(segments: Segments) -> dict:
 
 
 class Target:
-    """A frozen causal LM with tapped layers. Build it with `Target.load(path)`."""
+    """A frozen causal LM with tapped layers. Build it with `Target.load(path)`. `precision` says how its
+    weights run: the dtype ("bfloat16"), "fp8 (GEMM)" for an FP8 checkpoint on an FP8 GPU, or "fp8 dequantized
+    to DTYPE" elsewhere."""
+
+    precision = "as built"
 
     def __init__(self, model, tokenizer, *, layer_ids: list[int] | None = None, mask_token=None):
         self.model = model.eval().requires_grad_(False)
@@ -257,9 +262,13 @@ class Target:
 
         path = resolve_target(path)
         read_target_config(path)  # a damaged config.json fails here, before any weight is read
+        fp8 = check_fp8_target(path, device)  # an FP8 checkpoint's config and scale tensors, likewise
         tokenizer = load_target_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        return cls(model.to(device), tokenizer, layer_ids=layer_ids, mask_token=mask_token)
+        precision = fp8_precision(model, device, dtype, fp8) if fp8 else str(dtype).removeprefix("torch.")
+        target = cls(model.to(device), tokenizer, layer_ids=layer_ids, mask_token=mask_token)
+        target.precision = precision
+        return target
 
     # ---- facts ----------------------------------------------------------------------------------
     @property

@@ -17,8 +17,8 @@ from common.cli import DefaultsOnceHelpFormatter, add_version
 from dflash.errors import ConfigError
 from dflash.config.layout import LAYOUTS
 from dflash.plan.memory import PRECISIONS, MicroBatch
-from dflash.plan.planner import best_fitting, card_from_args, plan
-from dflash.plan.shapes import PRESETS, drafter_shape, target_shape
+from dflash.plan.planner import best_fitting, card_from_args, fewest_stages, plan
+from dflash.plan.shapes import PRESETS, TARGET_PRECISIONS, drafter_shape, target_shape
 from dflash.plan.throughput import CARDS
 
 TABLE_GPUS = (1, 2, 8)
@@ -30,6 +30,9 @@ def plan_parser() -> argparse.ArgumentParser:
                                             "item, and the predicted tokens/s (docs/memory.md).")
     p.add_argument("--target", required=True, help=f"a local model directory (its config.json is read, no weights) "
                    f"or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--target-precision", choices=TARGET_PRECISIONS, default="auto",
+                   help="the target's weights: fp8 (an FP8 block-quantised release: 1 byte per weight + block scales), "
+                   "bf16, or auto (a model directory's config.json quantization_config says; a preset is bf16)")
     p.add_argument("--card", help=f"a named card: {', '.join(CARDS)}")
     p.add_argument("--card-gb", type=float, help="the card's memory in GB of 10^9 bytes, as torch.cuda.mem_get_info "
                    "reports it (a '96 GB' card: about 102); with --card: overrides its memory")
@@ -110,8 +113,9 @@ def _rank_lines(o) -> list[str]:
 
 
 def _text(target, drafter, mb, card, gpus, options, best) -> str:
-    out = [f"target {target.name}: {target.params / 1e9:.2f} B parameters, {target.layers} layers, hidden {target.hidden}, "
-           f"vocabulary {target.vocab}; drafter {drafter.layers} layers, {drafter.params / 1e9:.2f} B parameters, "
+    kind = "FP8, 128 x 128 blocks" if target.fp8 else "bf16"
+    out = [f"target {target.name}: {target.params / 1e9:.2f} B parameters ({target.weight_bytes(2) / 1e9:.1f} GB, {kind}), "
+           f"{target.layers} layers, hidden {target.hidden}, vocabulary {target.vocab}; drafter {drafter.layers} layers, {drafter.params / 1e9:.2f} B parameters, "
            f"block {drafter.block_size}",
            f"micro-batch per rank: {mb.describe()}; {gpus} x {card.name} ({card.memory_gb:g} GB usable)", ""]
     for o in options:
@@ -156,7 +160,7 @@ def main(argv) -> int:
     if card and args.headroom_gb >= card.memory_gb:
         raise ConfigError(f"--headroom-gb {args.headroom_gb:g} leaves nothing of the {card.memory_gb:g} GB of "
                           f"{card.name}; pass less than {card.memory_gb:g}")
-    target = target_shape(args.target)
+    target = target_shape(args.target, precision=args.target_precision)
     drafter = drafter_shape(target, layers=args.drafter_layers, block_size=args.block_size,
                             sliding_window=args.sliding_window)
     mb = (MicroBatch(1, args.pack_tokens, args.pack_anchors) if args.pack_tokens else
@@ -170,10 +174,18 @@ def main(argv) -> int:
                          headroom_gb=args.headroom_gb, target_stages=args.target_stages,
                          micro_batches=args.micro_batches)
     if args.json:
-        print(json.dumps({"target": target.name, "target_params": target.params, "drafter_params": drafter.params,
+        print(json.dumps({"target": target.name, "target_params": target.params,
+                          "target_precision": "fp8" if target.fp8 else "bf16",
+                          "target_weight_bytes": target.weight_bytes(2), "drafter_params": drafter.params,
                           "micro_batch": vars(mb), "card": vars(card), "gpus": args.gpus,
                           "options": [o.to_dict() for o in options], "best": best.layout if best else None},
                          indent=2))
     else:
         print(_text(target, drafter, mb, card, args.gpus, options, best))
+        if any(o.detail.get("target_stages") for o in options):
+            least = fewest_stages(target, drafter, mb, card, args.gpus, precision=args.precision,
+                                  headroom_gb=args.headroom_gb, micro_batches=args.micro_batches)
+            print(f"--layout pipeline: the fewest target stages that fit are {least} of {args.gpus} GPUs "
+                  f"({'FP8' if target.fp8 else 'bf16'} target)" if least else
+                  f"--layout pipeline: no split of {args.gpus} GPUs fits")
     return 0 if best else 1

@@ -1,12 +1,13 @@
 """Each rank's peak GPU memory for a target, a drafter, a micro-batch, a precision and a --layout.
 
 Notation: P = drafter parameters, U = the largest FSDP unit's parameters (one drafter layer), Wt = the
-target's weight bytes (its parameters x the precision's bytes), e = the precision's bytes (bf16 2, fp32
-4), W = world size. Per rank: B sequences of T tokens, N anchors per sequence, block size bs; Q = N x bs
+target's weight bytes (its parameters x the precision's bytes; an FP8 target: 1 byte per quantised weight
++ 4 per 128 x 128 block scale + the rest x e, TargetShape.weight_bytes), e = the precision's bytes (bf16 2,
+fp32 4), W = world size. Per rank: B sequences of T tokens, N anchors per sequence, block size bs; Q = N x bs
 block rows per sequence, R = B x Q block rows, H the width, L the drafter's layers, V the vocabulary.
 
 Terms (bytes), from the code (dflash.train.step, dflash.model.drafter, dflash.train.head_loss):
-  target_weights      Wt (replicate, shard, offload); a pipeline stage rank: its layers' parameters x e
+  target_weights      Wt (replicate, shard, offload); a pipeline stage rank: its layers' bytes (TargetShape.layer_bytes)
                       (+ the embedding on stage 0); a pipeline drafter rank: embedding + LM head x e
   drafter_weights     4P fp32 master weights (Drafter is built in fp32; autocast computes in bf16);
                       sharded layouts 4P / D (D: the ranks sharing it); offload: 0 (host memory)
@@ -155,7 +156,7 @@ def rank_peaks(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layou
     c = dict(COEFFS, **(coeffs or {}))
     e, P, U = PRECISIONS[precision], drafter.params, drafter.unit_params
     act = activation_terms(target, drafter, mb, precision, c)
-    target_w = target.params * e / GB
+    target_w = target.weight_bytes(e) / GB
     if not spec.shards_drafter:
         static = {"target_weights": target_w, "drafter_weights": 4 * P / GB, "optimizer_state": 8 * P / GB}
         if world > 1:  # DDP's reducer allocates its gradient buckets once, beside the gradients
@@ -181,9 +182,9 @@ def rank_peaks(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layou
         raise ConfigError(f"{S} target stages for a {target.layers}-layer target; use at most {target.layers}")
     base, extra = divmod(target.layers, S)
     sizes = [base + (1 if s < extra else 0) for s in range(S)]
-    layer_p, start, stage_bytes = target.layer_params, 0, []
+    layer_b, start, stage_bytes = target.layer_bytes(e), 0, []
     for n in sizes:
-        stage_bytes.append(sum(layer_p[start:start + n]) * e / GB)
+        stage_bytes.append(sum(layer_b[start:start + n]) / GB)
         start += n
     embed, head = target.embed_params * e / GB, (target.head_params or target.embed_params) * e / GB
     # a stage keeps its incoming hidden states [B,T,H] and the tapped states it sends [B,T,k*H] (e bytes)

@@ -95,6 +95,16 @@ def option(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: s
     return Option(layout, world, fits, ranks, speed["tokens_per_s"], speed["step_s"], why_not=why, detail=speed)
 
 
+def fewest_stages(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card: Card, world: int,
+                  **kwargs) -> int | None:
+    """The fewest target stage ranks with which --layout pipeline fits `world` cards (None: no split fits)."""
+    pipeline = next((name for name in LAYOUTS if Layout.of(name).target_in_stages), None)
+    for stages in range(1, world):
+        if pipeline and option(target, drafter, mb, pipeline, world, card, target_stages=stages, **kwargs).fits:
+            return stages
+    return None
+
+
 def plan(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card: Card, world: int,
          layouts=LAYOUTS, **kwargs) -> tuple[list[Option], Option | None]:
     """(every layout's Option, the best that fits or None)."""

@@ -39,10 +39,30 @@ class TargetShape:
     head_params: int                # LM head (0 when tied to the embedding)
     other_params: int               # final norm and anything else outside the layers
     full_attention_layers: int
+    # An FP8 target (fine-grained, 128 x 128 blocks): each decoder layer's parameters held in FP8 (1 byte)
+    # and its float32 block scales; empty for a bf16 target. Parameters outside the layers stay unquantised.
+    fp8_layer_params: tuple[int, ...] = ()
+    fp8_layer_scales: tuple[int, ...] = ()
 
     @property
     def params(self) -> int:
         return sum(self.layer_params) + self.embed_params + self.head_params + self.other_params
+
+    @property
+    def fp8(self) -> bool:
+        return bool(self.fp8_layer_params)
+
+    def layer_bytes(self, e: int) -> list[int]:
+        """Each decoder layer's weight bytes at `e` bytes per unquantised parameter (FP8: 1 byte per quantised
+        parameter + 4 per block scale)."""
+        if not self.fp8:
+            return [n * e for n in self.layer_params]
+        return [(n - q) * e + q + 4 * s for n, q, s in zip(self.layer_params, self.fp8_layer_params,
+                                                            self.fp8_layer_scales)]
+
+    def weight_bytes(self, e: int) -> int:
+        """The target's weight bytes: its layers (layer_bytes) + embedding, LM head and the rest at `e`."""
+        return sum(self.layer_bytes(e)) + (self.embed_params + self.head_params + self.other_params) * e
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,35 @@ class DrafterShape:
 
 def _meta_params(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _fp8_counts(model, skip: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per decoder layer: the parameters of the linear layers transformers' FP8 quantizer converts (skip:
+    modules_to_not_convert, matched as transformers matches it), and their 128 x 128 block scales."""
+    import math
+
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    layers = model.get_decoder().layers
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    params, scales = [], []
+    for i, layer in enumerate(layers):
+        linears = [m for sub, m in layer.named_modules() if type(m) is torch.nn.Linear
+                   and should_convert_module(f"{prefix}.{i}.{sub}", list(skip))]
+        params.append(sum(m.weight.numel() for m in linears))
+        scales.append(sum(math.ceil(m.out_features / 128) * math.ceil(m.in_features / 128) for m in linears))
+    return tuple(params), tuple(scales)
+
+
+def _with_fp8(shape: TargetShape, model, skip: list[str] | None) -> TargetShape:
+    """`shape` as an FP8 target: skip None is the list Qwen's FP8 releases use (dflash.model.fp8_checkpoint)."""
+    from dataclasses import replace
+
+    from dflash.model.fp8_checkpoint import default_modules_to_not_convert
+
+    skip = default_modules_to_not_convert(model) if skip is None else skip
+    params, scales = _fp8_counts(model, skip)
+    return replace(shape, fp8_layer_params=params, fp8_layer_scales=scales)
 
 
 def _shape_of_model(name: str, model) -> TargetShape:
@@ -128,8 +177,11 @@ def _check_config_counts(path: Path) -> None:
             _check_counts(file, data["text_config"], "text_config.")
 
 
-def target_shape_from_dir(path) -> TargetShape:
-    """The shape of the model directory `path` from its config.json alone (TargetError naming the fix)."""
+def target_shape_from_dir(path, precision: str = "auto") -> TargetShape:
+    """The shape of the model directory `path` from its config.json alone (TargetError naming the fix).
+    precision: auto (FP8 when config.json's quantization_config is fine-grained FP8), bf16, or fp8 (an FP8
+    release of this model: Qwen's modules_to_not_convert)."""
+    from dflash.model.fp8_checkpoint import read_fp8_quantization
     from dflash.model.target import read_target_config
 
     path = Path(path)
@@ -146,7 +198,11 @@ def target_shape_from_dir(path) -> TargetShape:
         raise TargetError(f"{path / 'config.json'}: transformers cannot build this model ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}); the memory model counts the "
                           "parameters of the real module, so the target must be one transformers knows") from None
-    return _shape_of_model(path.name, model)
+    shape = _shape_of_model(path.name, model)
+    quant = read_fp8_quantization(path)
+    if precision == "fp8" or (precision == "auto" and quant):
+        return _with_fp8(shape, model, quant.get("modules_to_not_convert") if quant else None)
+    return shape
 
 
 def _preset(shape: dict):
@@ -159,18 +215,23 @@ def _preset(shape: dict):
 
 
 @functools.lru_cache(maxsize=8)
-def preset_shape(name: str, layers: int | None = None) -> TargetShape:
+def preset_shape(name: str, layers: int | None = None, fp8: bool = False) -> TargetShape:
     """A named target shape: '27b' (Qwen3.5-27B's text model) or 'demo' (the built-in demo's target).
-    `layers` shortens a preset to that many decoder layers (same width: what a validation run loads)."""
+    `layers` shortens a preset to that many decoder layers (same width: what a validation run loads); `fp8`
+    makes it the FP8 release of that model (Qwen's modules_to_not_convert)."""
     from dflash.model.shapes import QWEN35_27B
 
     if name == "27b":
         shape = dict(QWEN35_27B, layers=layers or QWEN35_27B["layers"])
-        return _shape_of_model("27b" if layers is None else f"27b-{layers}l", _preset(shape))
-    if name == "demo":
-        return _shape_of_model("demo", _preset(DEMO))
-    raise ConfigError(f"--target {name}: not a model directory and not a preset; pass a local model directory "
-                      f"with config.json, or one of the presets: {', '.join(PRESETS)}")
+        model = _preset(shape)
+        found = _shape_of_model("27b" if layers is None else f"27b-{layers}l", model)
+    elif name == "demo":
+        model = _preset(DEMO)
+        found = _shape_of_model("demo", model)
+    else:
+        raise ConfigError(f"--target {name}: not a model directory and not a preset; pass a local model directory "
+                          f"with config.json, or one of the presets: {', '.join(PRESETS)}")
+    return _with_fp8(found, model, None) if fp8 else found
 
 
 PRESETS = ("27b", "demo")
@@ -179,15 +240,21 @@ DEMO = dict(hidden=64, layers=8, vocab=768, intermediate=192, heads=4, kv_heads=
             linear_k_heads=4, linear_v_heads=4, linear_head_dim=16)
 
 
-def target_shape(spec: str, layers: int | None = None) -> TargetShape:
-    """--target of `dflash plan`: a preset name, or a model directory."""
+TARGET_PRECISIONS = ("auto", "bf16", "fp8")
+
+
+def target_shape(spec: str, layers: int | None = None, precision: str = "auto") -> TargetShape:
+    """--target of `dflash plan`: a preset name, or a model directory; precision (TARGET_PRECISIONS): auto
+    reads a directory's quantization_config (a preset: bf16), fp8 / bf16 say which release."""
+    if precision not in TARGET_PRECISIONS:
+        raise ConfigError(f"target precision {precision!r}: choose one of {', '.join(TARGET_PRECISIONS)}")
     if spec in PRESETS:
-        return preset_shape(spec, layers)
+        return preset_shape(spec, layers, precision == "fp8")
     path = Path(spec).expanduser()
     if not path.exists():
         raise TargetError(f"--target {spec}: no such directory and not a preset; pass a local model directory "
                           f"with config.json, or one of the presets: {', '.join(PRESETS)}")
-    return target_shape_from_dir(path)
+    return target_shape_from_dir(path, precision)
 
 
 def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, tapped: int | None = None,

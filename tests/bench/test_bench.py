@@ -96,3 +96,20 @@ def test_length_mix_benchmark_runs_padded_and_packed_side_by_side(tmp_path):
     assert all(r["steps"] == 3 and r["useful_tokens_per_s"] > 0 for r in rows.values())
     assert all(t <= 256 for t in rows["packed"]["tokens_per_step"])
     assert "packed / padded useful tokens/s" in run.stdout
+
+
+@pytest.mark.slow  # two random targets and two short training loops: ~40 s on 2 cores
+def test_fp8_benchmark_at_toy_size(tmp_path):
+    """bench_fp8.py (the H200 run's script) on the CPU at toy size: both targets time, the FP8 weights are
+    smaller, the tapped states diverge measurably, and the ratios are printed."""
+    out = tmp_path / "fp8.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_fp8.py"), "--device", "cpu", "--shape", "toy",
+                          "--steps", "2", "--warmup", "1", "--reps", "1", "--json", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    row = result["fp8"]["dequant"]
+    assert result["bf16"]["ok"] and row["ok"] and row["tokens_per_s"] > 0
+    assert row["weight_gb"] < result["bf16"]["weight_gb"]
+    assert all(0 < v < 0.5 for v in row["tapped_rel_l2"].values())
+    assert "FP8 (dequant) vs bf16: target forward" in run.stdout and "tapped-state divergence" in run.stdout

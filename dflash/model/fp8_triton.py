@@ -1,0 +1,77 @@
+"""A Triton GEMM for block-quantised FP8: y [M, N] = (xq * a_s) [M, K] @ (W * w_s)^T, fp32 accumulation.
+
+    xq [M, K] fp8, a_s [M, ceil(K/128)] fp32     activations, one scale per token and 128 columns
+    W  [N, K] fp8, w_s [ceil(N/128), ceil(K/128)] fp32   weights, one scale per 128 x 128 block
+
+The K loop steps 128 columns at a time, so each step meets one activation scale per row and one weight
+scale per output column (K / 128 steps, a compile-time count: one compile per K of the model; read per column: a tile narrower than 128 never straddles two weight blocks, and
+partial edge blocks need no special case). Masked loads fill the edges with zeros.
+
+It exists because on SM 12.0 (RTX 5090, RTX PRO 6000) torch 2.11 has no block-scaled FP8 recipe (its
+1x128/128x128 path is SM 9.0 only) and transformers 5.24's own kernels are fetched from the Hub at run time
+(`kernels-community/finegrained-fp8`, DeepGEMM), which an offline training host cannot do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 128  # the scale granularity along K: one activation scale and one weight scale per K step
+
+
+@triton.jit
+def _block_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K,
+                      stride_am, stride_ak, stride_asm, stride_ask, stride_wn, stride_wk, stride_wsn, stride_wsk,
+                      stride_cm, stride_cn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      NUM_KB: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # grouped launch order: GROUP_M row tiles share the same weight tiles while they are in L2
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_m = offs_m < M
+    in_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, NUM_KB):
+        k = kb * BLOCK_K + offs_k
+        in_k = k < K
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                    mask=in_m[:, None] & in_k[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                    mask=in_n[None, :] & in_k[:, None], other=0.0)
+        a_s = tl.load(as_ptr + offs_m * stride_asm + kb * stride_ask, mask=in_m, other=0.0)
+        w_s = tl.load(ws_ptr + (offs_n // BLOCK_K) * stride_wsn + kb * stride_wsk, mask=in_n, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, c,
+             mask=in_m[:, None] & in_n[None, :])
+
+
+def block_fp8_matmul(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                     out_dtype: torch.dtype = torch.bfloat16, block_m: int = 64, block_n: int = 128,
+                     group_m: int = 8, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """[M, K] fp8 x [N, K] fp8 with their block scales -> [M, N] in `out_dtype`."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"activations [{m}, {k}] and weight {tuple(weight.shape)} disagree on K")
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _block_fp8_kernel[grid](xq, x_scale, weight, w_scale, out, m, n, k,
+                            xq.stride(0), xq.stride(1), x_scale.stride(0), x_scale.stride(1),
+                            weight.stride(0), weight.stride(1), w_scale.stride(0), w_scale.stride(1),
+                            out.stride(0), out.stride(1),
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=group_m, NUM_KB=triton.cdiv(k, BLOCK_K),
+                            num_warps=num_warps, num_stages=num_stages)
+    return out
