@@ -171,6 +171,17 @@ def run_shapes(config, target_path) -> tuple[TargetShape, DrafterShape, MicroBat
     return target, drafter, MicroBatch(batch=1, seq_len=model.max_length, anchors=model.max_anchors)
 
 
+def stacked(drafters: list[DrafterShape]) -> DrafterShape:
+    """Several drafters trained on one target pass, as the memory model sees them: their states add up (weights,
+    gradients, AdamW moments: the parameters summed), one runs at a time (its activations, the largest drafter's
+    layers, block, taps and FSDP unit)."""
+    largest = max(drafters, key=lambda dr: dr.params)
+    return DrafterShape(layers=max(dr.layers for dr in drafters), hidden=largest.hidden,
+                        tapped=max(dr.tapped for dr in drafters), block_size=max(dr.block_size for dr in drafters),
+                        params=sum(dr.params for dr in drafters), unit_params=max(dr.unit_params for dr in drafters),
+                        config=largest.config)
+
+
 def worst_micro_batches(config, world: int, packed: bool) -> list[MicroBatch]:
     """The per-rank micro-batches check_training_fits checks (its docstring): one when packed, two padded."""
     model, optim = config.model, config.optim
@@ -186,7 +197,7 @@ def worst_micro_batches(config, world: int, packed: bool) -> list[MicroBatch]:
 
 
 def check_training_fits(config, world: int, card_gb: float | None, layout: str | None = None,
-                        packed: bool | None = None) -> None:
+                        packed: bool | None = None, drafters: list[DrafterShape] | None = None) -> None:
     """Refuse (TrainError) a run whose layout the memory model says will not fit `card_gb` per rank, naming
     the layout and micro-batch that would. `card_gb` None (a CPU run) or --no-memory-check: no check.
 
@@ -195,6 +206,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     can form, the worse of two: the long one (--batch-size sequences split over the ranks, at least one, of
     --max-length tokens, capped by --max-tokens) and the short one (every sequence a rank may get, each of the
     length that fills --max-tokens, each with its --max-anchors anchors: anchors are bounded per sequence).
+    `drafters`: the shapes of several drafters on one target pass (dflash.train.multi), checked `stacked`.
     """
     from pathlib import Path
 
@@ -206,6 +218,8 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     if not target_path or not (Path(target_path) / "config.json").is_file():
         return  # the demo, a Hub id: the shape is only known once loaded
     target, drafter, _longest = run_shapes(config, target_path)
+    if drafters:
+        drafter = stacked(drafters)
     card = Card(f"{card_gb:.1f} GB visible", card_gb, CARDS["h200"].bf16_tflops, CARDS["h200"].link_gbps)
     precision = "fp32" if config.runtime.precision == "fp32" else "bf16"
     # the run's split (--target-stages, 0: half the ranks), never the search `option` makes for target_stages 0
@@ -219,7 +233,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     where = "per rank" if peak and peak.role == "every rank" else f"on the {peak.role if peak else ''}"
     need = (f"needs {peak.total_gb:.1f} GB {where} (" +
             ", ".join(f"{k} {v:.1f}" for k, v in peak.terms.items() if v >= 0.05) + ")") if peak else chosen.why_not
-    hints = []
+    hints = ["train fewer drafters per run, or smaller ones (--drafter-layers)"] if drafters and len(drafters) > 1 else []
     smaller = largest_fitting_micro_batch(target, drafter, mb, layout, world, card, precision=precision,
                                           target_stages=stages) if chosen.ranks else None
     if smaller and packed:
@@ -235,6 +249,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     if not hints:
         hints.append(f"no layout fits {world} card(s) of {card_gb:.1f} GB; use more GPUs (dflash plan --target "
                      f"{target_path} --card-gb {card_gb:.0f} --gpus N shows what fits)")
-    raise TrainError(f"--layout {layout} will not fit: a micro-batch of {mb.describe()} {need}, and this process "
+    what = f"{len(drafters)} drafters on one target pass with " if drafters and len(drafters) > 1 else ""
+    raise TrainError(f"--layout {layout} will not fit: {what}a micro-batch of {mb.describe()} {need}, and this process "
                      f"may use {card_gb:.1f} GB. " + "; or ".join(hints) +
                      ". Pass --no-memory-check to start anyway.")

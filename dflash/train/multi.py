@@ -11,9 +11,8 @@ torchrun, its own DDP or FSDP2 wrapper; the loop that drives them is the one a s
 <out> holds the run's config.json and train.log; <out>/drafters/drafters.json lists the drafters for
 --resume, which resumes them all from their own latest checkpoints (they must all be at the same step).
 
-Memory: `drafter_state_bytes` is what one drafter's training state takes (fp32 weights, gradients and
-AdamW's two moments); `check_drafters_fit` refuses a run whose drafters and target would not fit on
-the GPU before any weights load.
+Memory: the planner's model (dflash.plan), with the drafters' states added up and one drafter's activations
+at a time, refuses before any weight loads a run that would not fit the GPU (`check_memory`).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ import torch
 from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs, write_plan
 from dflash.data.batches import load_items
-from dflash.errors import SAID_BY_RANK_0, ConfigError, DflashError
-from dflash.model.dflash2 import dflash2_extra_params
+from dflash.errors import SAID_BY_RANK_0, DflashError
 from dflash.train import layouts, pipeline
 from dflash.train.evaluation import eval_split
 from dflash.train.monitor import claimed_run
@@ -44,74 +42,25 @@ log = logging.getLogger("dflash.train")
 
 
 # --- memory ----------------------------------------------------------------------------------------
-def drafter_state_bytes(n_params: int) -> int:
-    """Bytes one drafter's training state takes: fp32 master weights, fp32 gradients, AdamW's two fp32
-    moments (16 bytes per parameter). Activations are not counted (they follow the micro-batch)."""
-    return 16 * n_params
+def check_memory(config: TrainConfig, configs: dict[str, TrainConfig], layers: dict[str, list[int]],
+                 world: int, device: torch.device, card_gb_for_tests: float | None = None) -> None:
+    """The planner's memory check (dflash.plan.planner.check_training_fits) for these drafters on one target
+    pass: their states add up, one drafter's activations at a time, the largest anchors any of them samples."""
+    from dflash.plan.planner import check_training_fits, visible_card_gb
+    from dflash.plan.shapes import drafter_shape, target_shape_from_dir
+    from dflash.train.setup import packing
 
-
-def drafter_param_count(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                        layers: int, tapped: int) -> int:
-    """Parameters of a drafter (dflash.model.drafter) of this shape: fc over the tapped states, its norms,
-    and per layer q/k/v/o with q/k norms, two RMSNorms and a SwiGLU MLP."""
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads) + 2 * head_dim
-    per_layer = attention + 3 * hidden * intermediate + 2 * hidden
-    return tapped * hidden * hidden + 2 * hidden + layers * per_layer
-
-
-# Share of the GPU kept for activations, the tapped states and the allocator's slack. Measured on one H200 at
-# the 27B shape (2 x 4096 tokens, 512 anchors per sequence): one 5-layer drafter peaked 19 GB above its state
-# and the target; three such drafters (142 GB of states and target on a 150 GB card) ran out of memory.
-ACTIVATION_RESERVE = 0.10
-
-
-def check_drafters_fit(drafter_params: dict[str, int], target_bytes: int, device_bytes: int) -> None:
-    """Refuse drafters whose training states would not fit on the device beside the target's weights,
-    ACTIVATION_RESERVE of the device kept free."""
-    states = {name: drafter_state_bytes(n) for name, n in drafter_params.items()}
-    need = target_bytes + sum(states.values())
-    if need <= device_bytes * (1 - ACTIVATION_RESERVE):
+    card_gb = card_gb_for_tests if card_gb_for_tests is not None else visible_card_gb(device)
+    if card_gb is None or not config.runtime.memory_check or not config.io.target:
         return
-    gb = 1e9
-    each = ", ".join(f"{name} {b / gb:.1f}" for name, b in states.items())
-    raise ConfigError(
-        f"{len(states)} drafters do not fit beside the target: their states (fp32 weights, gradients and AdamW "
-        f"moments: {each} GB) and the target's weights ({target_bytes / gb:.1f} GB) need {need / gb:.1f} GB "
-        f"before any activation, over {1 - ACTIVATION_RESERVE:.0%} of the GPU's {device_bytes / gb:.1f} GB (the rest is "
-        "kept for activations). Train fewer drafters per run, or smaller ones (--drafter-layers).")
+    from dflash.model.target import resolve_target
 
-
-def _target_bytes_and_shape(config: TrainConfig, target) -> tuple[int, dict]:
-    """(the target's weight bytes as the run holds them, its attention shape), without loading it when
-    `target` is None (from its config.json and the sizes of its weight files)."""
-    if target is not None:
-        c = target.config
-        n = sum(p.numel() * p.element_size() for p in target.model.parameters()) if hasattr(target, "model") else 0
-        return n, dict(hidden=target.hidden_size, layers=target.num_layers, config=c)
-    from dflash.model.target import read_target_config, resolve_target
-
-    path = resolve_target(config.io.target)
-    text = read_target_config(path).get_text_config()
-    files = sum(f.stat().st_size for f in path.glob("*.safetensors")) or sum(f.stat().st_size for f in path.glob("*.bin"))
-    return files, dict(hidden=int(text.hidden_size), layers=int(text.num_hidden_layers), config=text)
-
-
-def check_memory(configs: dict[str, TrainConfig], target, device: torch.device, tapped: dict[str, int]) -> None:
-    """`check_drafters_fit` for these drafters (`tapped`: each one's count of tapped target layers) on `device`
-    (a GPU; a CPU run is left to the host's memory)."""
-    if device.type != "cuda":
-        return
-    first = next(iter(configs.values()))
-    target_bytes, shape = _target_bytes_and_shape(first, target)
-    c, hidden = shape["config"], shape["hidden"]
-    heads = int(c.num_attention_heads)
-    kv = int(getattr(c, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
-    params = {name: drafter_param_count(hidden, heads, kv, head_dim, int(c.intermediate_size),
-                                        cfg.model.drafter_layers, tapped[name])
-              + (dflash2_extra_params(hidden, int(c.vocab_size), cfg.model.drafter_layers)
-                 if cfg.model.drafter_kind == "dflash2" else 0) for name, cfg in configs.items()}
-    check_drafters_fit(params, target_bytes, torch.cuda.get_device_properties(device).total_memory)
+    target = target_shape_from_dir(resolve_target(config.io.target))
+    shapes = [drafter_shape(target, layers=cfg.model.drafter_layers, block_size=cfg.model.block_size,
+                            tapped=len(layers[name]), sliding_window=cfg.model.sliding_window,
+                            kind=cfg.model.drafter_kind) for name, cfg in configs.items()]
+    widest = config.replace(max_anchors=max(cfg.model.max_anchors for cfg in configs.values()))
+    check_training_fits(widest, world, card_gb, config.runtime.layout, packed=packing(config, device), drafters=shapes)
 
 
 def _drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target) -> dict[str, list[int]]:
@@ -136,9 +85,11 @@ def _drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target
 
 
 def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, items: list[dict] | None = None,
-                on_step: Callable[[int, dict], bool] | None = None, handle_signals: bool = True) -> LoopResult:
+                on_step: Callable[[int, dict], bool] | None = None, handle_signals: bool = True,
+                card_gb_for_tests: float | None = None) -> LoopResult:
     """Train the drafters `specs` names on one pass of `config`'s target and data (as train() does one).
-    `on_step(step, {name: metrics})` may return True to stop the run as SIGTERM would."""
+    `on_step(step, {name: metrics})` may return True to stop the run as SIGTERM would; `card_gb_for_tests`
+    stands in a card of that many GB for the memory check (as train()'s does)."""
     configs = drafter_configs(config, specs)  # every drafter's options checked before anything else
     layouts.check_layout(config)  # before any process group or weight
     with layouts.joined(config) as d, claimed_run(config, d) as run:
@@ -152,7 +103,7 @@ def train_multi(config: TrainConfig, specs: list[DrafterSpec], *, target=None, i
             for cfg in configs.values():
                 check_resume_checkpoint(cfg)
             layers = _drafter_layers(config, configs, target)
-            check_memory(configs, target, d.device, {name: len(ids) for name, ids in layers.items()})
+            check_memory(config, configs, layers, d.world_size, d.device, card_gb_for_tests)
             tapping = config.replace(target_layer_ids=union(layers)) if not config.model.init_drafter else config
             if config.layout.target_in_stages:  # the stage ranks tap every drafter's layers and serve them all
                 target, d, items = pipeline.place(config, d, lambda: target or load_target(tapping, d.device, cpu=True),

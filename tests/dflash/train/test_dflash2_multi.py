@@ -8,8 +8,6 @@ from safetensors.torch import load_file
 
 from dflash.cli import train_main
 from dflash.config.drafters import drafter_out
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter, dflash2_extra_params
-from dflash.train.multi import drafter_param_count
 from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
@@ -43,11 +41,3 @@ def test_dflash_and_dflash2_on_one_target_pass_equal_their_runs_alone(tmp_path):
             assert torch.equal(mine[key], theirs[key]), (name, key)
         strip = [{k: v for k, v in m.items() if k not in TIMING} for m in read_metrics(drafter_out(out, name))]
         assert strip == [{k: v for k, v in m.items() if k not in TIMING} for m in read_metrics(alone)]
-
-
-def test_the_memory_check_counts_the_dflash2_parameters():
-    c = DFlash2Config(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=80, num_hidden_layers=3, vocab_size=100, block_size=4, num_target_layers=8,
-                      target_layer_ids=[1, 3, 5], mask_token_id=2)
-    n = sum(p.numel() for p in DFlash2Drafter(c).parameters())
-    assert drafter_param_count(48, 4, 2, 16, 80, 3, 3) + dflash2_extra_params(48, 100, 3) == n

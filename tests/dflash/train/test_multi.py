@@ -11,8 +11,6 @@ from safetensors.torch import load_file
 
 from dflash.cli import train_main
 from dflash.config.drafters import drafter_out
-from dflash.errors import ConfigError
-from dflash.train.multi import check_drafters_fit, drafter_param_count, drafter_state_bytes
 from dflash.train.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
@@ -118,28 +116,42 @@ def test_resume_continues_every_drafter(tiny, tmp_path):
                [m["loss"] for m in read_metrics(drafter_out(straight, name))]
 
 
-def test_drafter_param_count_is_the_modules():
-    from dflash.model.drafter import Drafter, DrafterConfig
+@pytest.fixture(scope="module")
+def target_27b(tmp_path_factory):
+    """A model directory holding only the config.json of Qwen3.5-27B's text model (the planner reads no weight)."""
+    from dflash.model.shapes import QWEN35_27B, qwen35_config
 
-    c = DrafterConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=80,
-                      num_hidden_layers=3, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512,
-                      vocab_size=100, block_size=4, num_target_layers=8, target_layer_ids=[1, 3, 5], mask_token_id=2)
-    n = sum(p.numel() for p in Drafter(c).parameters())
-    assert drafter_param_count(48, 4, 2, 16, 80, 3, 3) == n
-    assert drafter_state_bytes(n) == 16 * n
+    path = tmp_path_factory.mktemp("27b")
+    qwen35_config(QWEN35_27B).save_pretrained(path)
+    return path
 
 
-def test_drafters_that_do_not_fit_are_refused_with_the_numbers():
-    """On one H200 (150.1 GB) beside the 27B target (53.8 GB): two 5-layer drafters and three 3-layer ones ran,
-    three 5-layer ones ran out of memory (bench/results/h200/multi-drafters-27b.json)."""
-    five = drafter_param_count(5120, 24, 4, 256, 17408, 5, 5)
-    three = drafter_param_count(5120, 24, 4, 256, 17408, 3, 5)
-    assert five == 1_835_072_000  # the bench's count of the built module at that shape
-    card, target = 150_110_000_000, 53_792_000_000
-    check_drafters_fit({"a": five, "b": five}, target, card)
-    check_drafters_fit({"a": three, "b": three, "c": three}, target, card)
-    with pytest.raises(ConfigError, match=r"3 drafters do not fit.*a 29\.4, b 29\.4, c 29\.4 GB.*53\.8 GB"):
-        check_drafters_fit({"a": five, "b": five, "c": five}, target, card)
+def _sweep_fits(target, tmp_path, layers: list[int]) -> None:
+    """check_memory of drafters with these layer counts beside the 27B target on one H200 (150.1 GB usable), at
+    the micro-batch the run was measured at (2 x 4096 tokens, 512 anchors per sequence, padded)."""
+    from dflash.config import TrainConfig
+    from dflash.config.drafters import DrafterSpec, drafter_configs
+    from dflash.train.multi import check_memory
+
+    config = TrainConfig.from_flat(target=str(target), data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o"),
+                                   packing="off", batch_size=2, max_length=4096, max_tokens=8192, max_anchors=512)
+    specs = [DrafterSpec(f"d{i}", {"drafter_layers": n}) for i, n in enumerate(layers)]
+    configs = drafter_configs(config, specs)
+    ids = [1, 16, 31, 46, 61]
+    check_memory(config, configs, {name: ids for name in configs}, 1, torch.device("cpu"), card_gb_for_tests=150.1)
+
+
+def test_the_drafters_memory_check_is_the_planners_and_agrees_with_what_ran(target_27b, tmp_path):
+    """On one H200 beside the 27B target two 5-layer drafters and three 3-layer ones ran, three 5-layer ones ran
+    out of memory (bench/results/h200/multi-drafters-27b.json): the planner, the drafters' states added up and one
+    drafter's activations at a time, says the same, and names the way out."""
+    from dflash.errors import TrainError
+
+    _sweep_fits(target_27b, tmp_path, [5, 5])
+    _sweep_fits(target_27b, tmp_path, [3, 3, 3])
+    with pytest.raises(TrainError, match=r"3 drafters on one target pass with a micro-batch of .*"
+                                         r"train fewer drafters per run, or smaller ones"):
+        _sweep_fits(target_27b, tmp_path, [5, 5, 5])
 
 
 @pytest.mark.slow  # three interpreter starts with torch + transformers: 30-90 s on a 2-core machine
