@@ -17,6 +17,7 @@
 #   4. the GPU test tier (pytest -m gpu over the test files that have GPU tests)
 #   5. bench/bench_kernels.py                             -> OUT/kernels.json
 #   6. bench/bench_train.py --presets 27b, sdpa vs flex   -> OUT/train-27b.json
+#   7. bench/bench_length_mix.py --preset 27b: a chat-like mix, padded vs packed -> OUT/length-mix-27b.json
 # Everything printed also goes to OUT/gpu_check.log.
 set -uo pipefail
 
@@ -27,6 +28,7 @@ PY=${PYTHON:-python3}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PREFIX=${DFLASH_GPU_PREFIX:-/tmp/dflash-gpu-check}
 TRAIN_ARGS=${TRAIN_ARGS:---steps 6 --warmup 2 --reps 3}
+MIX_ARGS=${MIX_ARGS:---steps 24 --warmup 6 --sequences 2000}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PREFIX:$REPO"
@@ -93,6 +95,8 @@ step kernels 100 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
 # shellcheck disable=SC2086
 step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
     --json "$OUT/train-27b.json"
+# shellcheck disable=SC2086
+step length-mix-27b 540 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b $MIX_ARGS --json "$OUT/length-mix-27b.json"
 
 echo "=== done $(date -u +%H:%M:%S); failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]
