@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from dflash import distributed
-    from dflash.demo.target import build_demo_target
+    from dflash.demo.tiny_target import build_demo_target
     from dflash.model.dflash2 import DFlash2Config, build_drafter
     from dflash.model.drafter import DrafterConfig
     from dflash.model.target import Target

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     target_dir = args.target
     if target_dir is None:
-        from dflash.demo.target import build_demo_target, default_demo_dir
+        from dflash.demo.tiny_target import build_demo_target, default_demo_dir
 
         target_dir = build_demo_target(default_demo_dir(), seed=args.seed, progress=False)
     target, drafter = load_for_eval(target_dir, args.drafter, device=args.device)

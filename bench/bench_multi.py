@@ -46,7 +46,7 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs
 from dflash.errors import TrainError
-from dflash.train.flops import batch_flops
+from dflash.train.mfu import batch_flops
 from dflash.train.lane import Lane
 from dflash.train.loop import TrainingLoop
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape

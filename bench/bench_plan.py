@@ -28,7 +28,7 @@ import torch
 from dflash import distributed
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.plan.memory import COEFFS, GB, MicroBatch, activation_terms
-from dflash.plan.shapes import drafter_shape, preset_shape
+from dflash.plan.sizes import drafter_shape, preset_shape
 from dflash.model.shapes import QWEN35_27B, random_target
 from dflash.train.step import backward, micro_batch_sums
 from dflash.train.synthetic import collate_with_anchors, synthetic_items

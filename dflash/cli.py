@@ -89,7 +89,7 @@ def _train(argv) -> int:
     if config.is_demo:
         if specs:
             raise ConfigError("several drafters per run need --target and --data (the built-in demo trains one).")
-        from dflash.demo.pipeline import run_demo
+        from dflash.demo.run import run_demo
         return run_demo(config)
     from dflash.train.trainer import train
     if specs:

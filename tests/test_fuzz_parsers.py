@@ -237,7 +237,7 @@ def test_report_command(lines, config):
 
 
 def _drafter_reference() -> dict:
-    from dflash.io.drafter import reference_config
+    from dflash.io.drafter_dir import reference_config
     from dflash.model.drafter import DrafterConfig
 
     config = DrafterConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -258,7 +258,7 @@ def test_drafter_config(edits, whole):
     """A drafter's (or a checkpoint's drafter/) config.json with fields of any value: a DrafterConfig or a
     DrafterError naming the problem."""
     from dflash.errors import DrafterError
-    from dflash.io.drafter import parse_reference_config
+    from dflash.io.drafter_dir import parse_reference_config
 
     data = _drafter_reference() if whole is None else whole
     if isinstance(data, dict):
@@ -280,7 +280,7 @@ def test_drafter_config(edits, whole):
 @given(config=st.one_of(st.binary(max_size=48), JSON.map(lambda d: json.dumps(d).encode())))
 def test_drafter_config_file(config):
     from dflash.errors import DrafterError
-    from dflash.io.drafter import read_drafter_config
+    from dflash.io.drafter_dir import read_drafter_config
 
     directory = Path(tempfile.mkdtemp(prefix="fuzz-drafter-"))
     (directory / "config.json").write_bytes(config)

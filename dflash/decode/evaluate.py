@@ -148,7 +148,7 @@ def check_for_eval(target_dir, drafter_dir) -> tuple[DrafterConfig, list[str]]:
     vocabulary). Warns where an engine would not serve it: a tapped id on the target's last layer, which
     vLLM captures as this evaluation does but SGLang refuses (dflash.io.engines.last_layer_problem), so the
     numbers hold for vLLM only; evaluating such a drafter (a third party's, for vLLM) is still useful."""
-    from dflash.io.drafter import read_drafter_config
+    from dflash.io.drafter_dir import read_drafter_config
     from dflash.io.engines import last_layer_problem
     from dflash.io.fit import check_fits_target, target_shape
 
@@ -167,7 +167,7 @@ def load_checked(target_dir, drafter_dir, config: DrafterConfig, device="cpu", t
     """(Target, Drafter) for a drafter `check_for_eval` passed as `config`: the target tapped at the drafter's
     layers with its mask token, checked against the loaded target (its tokenizer's mask token, fingerprint),
     then the drafter's weights (checked finite)."""
-    from dflash.io.drafter import load_drafter
+    from dflash.io.drafter_dir import load_drafter
     from dflash.io.fit import check_fits_target
     from dflash.model.target import Target
 
@@ -185,7 +185,7 @@ def load_for_eval(target_dir, drafter_dir, device="cpu", target_dtype=torch.floa
     config.json, tensor names and dtypes, then its fit to the target's config.json (hidden size, layer
     count, tapped ids, vocabulary, mask token); the target is then tapped at the drafter's layers with its
     mask token. A drafter that names the target it was trained for (target_fingerprint) must name this
-    one. On a CPU, bf16 weights are upcast to float32 (dflash.io.drafter.load_drafter says so in the log).
+    one. On a CPU, bf16 weights are upcast to float32 (dflash.io.drafter_dir.load_drafter says so in the log).
     """
     config, warnings = check_for_eval(target_dir, drafter_dir)
     for warning in warnings:

@@ -1,4 +1,4 @@
-"""Which keys a drafter's config.json may hold: the strict reading of `dflash.io.drafter`.
+"""Which keys a drafter's config.json may hold: the strict reading of `dflash.io.drafter_dir`.
 
 Every key is one this project implements (_READ), one that changes nothing the drafter computes
 (_INERT), or one that changes what vLLM, SGLang or the reference DFlashDraftModel compute; such a key is

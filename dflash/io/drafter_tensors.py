@@ -1,6 +1,6 @@
 """What a drafter's weight files hold, checked against its config.json before (and, for finiteness, as)
 anything loads: tensor names and shapes, one dtype the engines serve, what config.json says that dtype
-is, and no NaN or infinite weight. dflash.io.drafter reads through these checks."""
+is, and no NaN or infinite weight. dflash.io.drafter_dir reads through these checks."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash.errors import DrafterError
-from dflash.io.drafter import CONFIG_NAME
+from dflash.io.drafter_dir import CONFIG_NAME
 from dflash.model.drafter import DrafterConfig
 
 

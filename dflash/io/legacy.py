@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.io.drafter import CONFIG_NAME, LEGACY_FORMAT, MODEL_TYPE, check_tensors, read_json, save_drafter, weight_files
+from dflash.io.drafter_dir import CONFIG_NAME, LEGACY_FORMAT, MODEL_TYPE, check_tensors, read_json, save_drafter, weight_files
 from dflash.io.fit import TargetShape, check_fits_target
 from dflash.errors import DrafterError
 from dflash.model.drafter import Drafter, DrafterConfig

@@ -16,7 +16,7 @@ Layer types (`DrafterConfig.layer_types`): a full_attention layer sees its whole
 before the anchor; a sliding_attention layer sees keys at positions p-W+1 .. p only, causal inside the
 block (masks.py draws both). The module tree and the config fields are the reference DFlash layout's
 (tensor names `layers.N.mlp.gate_proj.weight` etc., config keys `num_hidden_layers` etc.), so
-`dflash.io.drafter` writes and reads what vLLM and SGLang serve without renaming anything.
+`dflash.io.drafter_dir` writes and reads what vLLM and SGLang serve without renaming anything.
 
 Attention runs one of two ways over the same mask (`Drafter(config, attention=...)`):
   sdpa  the dense boolean mask [B,1,Q,T+Q] through F.scaled_dot_product_attention: every query pays for
@@ -47,7 +47,7 @@ LAYER_TYPES = (FULL, SLIDING)
 @dataclass(kw_only=True)
 class DrafterConfig:
     """Shape of a drafter plus what ties it to its target. Field names are the keys of the reference
-    config.json (dflash.io.drafter writes them; target_layer_ids and mask_token_id nest in dflash_config)."""
+    config.json (dflash.io.drafter_dir writes them; target_layer_ids and mask_token_id nest in dflash_config)."""
 
     hidden_size: int                  # the drafter's width = the target's H (it shares embed/lm_head)
     num_hidden_layers: int = 5        # drafter decoder layers

@@ -18,7 +18,7 @@ from dflash.errors import ConfigError
 from dflash.config.layout import LAYOUTS
 from dflash.plan.memory import PRECISIONS, MicroBatch
 from dflash.plan.planner import best_fitting, card_from_args, fewest_stages, plan
-from dflash.plan.shapes import PRESETS, TARGET_PRECISIONS, drafter_shape, target_shape
+from dflash.plan.sizes import PRESETS, TARGET_PRECISIONS, drafter_shape, target_shape
 from dflash.plan.throughput import CARDS
 
 TABLE_GPUS = (1, 2, 8)

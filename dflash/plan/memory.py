@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from dflash.config.layout import Layout
 from dflash.errors import ConfigError
-from dflash.plan.shapes import DrafterShape, TargetShape
+from dflash.plan.sizes import DrafterShape, TargetShape
 
 GB = 1e9
 PRECISIONS = {"bf16": 2, "fp32": 4}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from dflash.config.layout import LAYOUTS, Layout
 from dflash.errors import ConfigError, TrainError
 from dflash.plan.memory import MicroBatch, RankPeak, pipeline_stages, rank_peaks, worst
-from dflash.plan.shapes import DrafterShape, TargetShape
+from dflash.plan.sizes import DrafterShape, TargetShape
 from dflash.plan.throughput import CARDS, Card, tokens_per_second
 
 
@@ -161,7 +161,7 @@ def visible_card_gb(device) -> float | None:
 
 def run_shapes(config, target_path) -> tuple[TargetShape, DrafterShape, MicroBatch]:
     """The target, drafter and per-rank micro-batch of a training run, from its config alone."""
-    from dflash.plan.shapes import drafter_shape, target_shape_from_dir
+    from dflash.plan.sizes import drafter_shape, target_shape_from_dir
 
     target = target_shape_from_dir(target_path)
     model = config.model

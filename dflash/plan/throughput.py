@@ -7,7 +7,7 @@ current step: docs/performance.md): target forward 0.826 s, drafter forward 0.25
 
     t = t_H200 x (FLOPs of this shape / FLOPs of the measured shape) x (H200 bf16 peak / card bf16 peak)
 
-(FLOPs from dflash.train.flops's formulas: the target's forward, the drafter's and the LM head's), and
+(FLOPs from dflash.train.mfu's formulas: the target's forward, the drafter's and the LM head's), and
 the AdamW step scales with the parameters it updates (per rank). On top, per layout (link bandwidths in
 CARDS; none of these overheads is measured yet, each is a transfer time at the link's rate):
   replicate   W > 1: DDP's all-reduce of 4P bytes of gradients, 2 (W-1)/W x 4P / link, overlapped with
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from dflash.config.layout import Layout
 from dflash.plan.memory import MicroBatch, pipeline_stages
-from dflash.plan.shapes import DrafterShape, TargetShape
+from dflash.plan.sizes import DrafterShape, TargetShape
 
 H200_PHASES = {"target forward": 0.826, "drafter forward": 0.252, "drafter backward": 0.300, "optimizer": 0.016}
 REFERENCE = dict(batch=2, seq_len=4096, anchors=512)  # the micro-batch the phases were measured on
@@ -57,7 +57,7 @@ H200 = CARDS["h200"]
 
 
 def _target_flops(target: TargetShape, mb: MicroBatch) -> float:
-    """dflash.train.flops.target_forward_flops on full sequences of mb.seq_len."""
+    """dflash.train.mfu.target_forward_flops on full sequences of mb.seq_len."""
     pairs = mb.batch * mb.seq_len * (mb.seq_len + 1) / 2
     return 2 * sum(target.layer_params) * mb.batch * mb.seq_len + 4 * target.head_dim * target.heads * pairs \
         * target.full_attention_layers
@@ -78,7 +78,7 @@ def _drafter_flops(target: TargetShape, drafter: DrafterShape, mb: MicroBatch) -
 
 def phase_times(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card: Card, shards: int = 1) -> dict:
     """Seconds per micro-batch of each phase on one `card`, for this shape (AdamW over P / shards)."""
-    from dflash.plan.shapes import drafter_shape, preset_shape
+    from dflash.plan.sizes import drafter_shape, preset_shape
 
     ref_target = preset_shape("27b")
     ref_drafter = drafter_shape(ref_target)

@@ -4,7 +4,7 @@ Layout of the run directory's checkpoints/ (the run directory itself: dflash.tra
 
     checkpoints/latest             name of the newest complete checkpoint (replaced atomically)
     checkpoints/step-00000300/     one checkpoint
-        drafter/                   the drafter in the reference DFlash layout (dflash.io.drafter),
+        drafter/                   the drafter in the reference DFlash layout (dflash.io.drafter_dir),
                                    its weights in float32 as trained ("dtype": "float32")
         trainer_state.pt           optimizer, scheduler, RNG, data position, step (tensors and plain
                                    Python values only, so it loads with torch.load(weights_only=True))
@@ -32,7 +32,7 @@ from common.fsutil import atomic_write
 
 from dflash.config import TrainConfig
 from dflash.errors import CheckpointError, TrainError
-from dflash.io.drafter import load_drafter, save_drafter
+from dflash.io.drafter_dir import load_drafter, save_drafter
 
 STATE_FILE = "trainer_state.pt"
 FORMAT_VERSION = 1
@@ -226,7 +226,7 @@ def check_compatible(checkpoint: Path, drafter_config: dict, data_fingerprint: s
 
     `drafter_config` is DrafterConfig.to_dict() of the drafter this run would build.
     """
-    from dflash.io.drafter import read_drafter_config
+    from dflash.io.drafter_dir import read_drafter_config
     from dflash.errors import DrafterError
 
     try:

@@ -23,7 +23,7 @@ from dflash.train import checkpoint as ckpt
 from dflash.train import layouts, sharded_checkpoint
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.train.evaluation import SplitEvaluator
-from dflash.train.flops import StepFlops
+from dflash.train.mfu import StepFlops
 from dflash.train.monitor import MonitorPlan, RunMonitor
 from dflash.train.pack_batches import pack_micro_batch, rank_pack
 from dflash.train.rundir import RunDir
@@ -51,7 +51,7 @@ class Lane:
 
     def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
                  eval_items: list[dict] | None = None):
-        from dflash.io.drafter import load_drafter
+        from dflash.io.drafter_dir import load_drafter
         from dflash.model.dflash2 import build_drafter
 
         self.config, self.target, self.items, self.d = config, target, items, d

@@ -4,7 +4,7 @@
 
 After every optimizer step the trainer hands its record to `RunMonitor.step`, which adds
     tokens_per_s   real tokens of all ranks per second, averaged since the last log line
-    mfu            model FLOPs utilisation of this GPU (dflash.train.flops; GPU only)
+    mfu            model FLOPs utilisation of this GPU (dflash.train.mfu; GPU only)
     gpu_mem_gib    peak GPU memory allocated since the previous step (GPU only)
 and, on rank 0, appends it to <out>/metrics.jsonl ("split": "train"), logs every --log-every steps and
 sends it to the --report-to trackers. Every --eval-every steps, and at the end of a run with an evaluation
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.distributed import Dist
-from dflash.train.flops import StepFlops, peak_flops
+from dflash.train.mfu import StepFlops, peak_flops
 from dflash.train.rundir import RunDir
 from dflash.train.trackers import open_trackers
 

@@ -47,7 +47,7 @@ def check_memory(config: TrainConfig, configs: dict[str, TrainConfig], layers: d
     """The planner's memory check (dflash.plan.planner.check_training_fits) for these drafters on one target
     pass: their states add up, one drafter's activations at a time, the largest anchors any of them samples."""
     from dflash.plan.planner import check_training_fits, visible_card_gb
-    from dflash.plan.shapes import drafter_shape, target_shape_from_dir
+    from dflash.plan.sizes import drafter_shape, target_shape_from_dir
     from dflash.train.setup import packing
 
     card_gb = card_gb_for_tests if card_gb_for_tests is not None else visible_card_gb(device)
@@ -78,7 +78,7 @@ def _drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target
             except DflashError as exc:
                 raise type(exc)(f"drafter '{name}': {exc}") from None
     if config.model.init_drafter:  # its config.json fixes the layers of every drafter
-        from dflash.io.drafter import read_drafter_config
+        from dflash.io.drafter_dir import read_drafter_config
 
         return {name: list(read_drafter_config(config.model.init_drafter).target_layer_ids) for name in configs}
     return tapped_layers(configs, target_shape(config.io.target).num_layers)

@@ -132,7 +132,7 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
 
     import torch
 
-    from dflash.io.drafter import read_drafter_config
+    from dflash.io.drafter_dir import read_drafter_config
     from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
     from dflash.train.manifest import check_manifest
     from dflash.train.sharded_checkpoint import KIND_KEY, check_kind

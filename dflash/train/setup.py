@@ -68,7 +68,7 @@ def pad_id(target) -> int:
 def drafter_config(config: TrainConfig, target):
     """The drafter this run trains: --init-drafter's (checked against the target), or a new one shaped
     like the target's attention with --drafter-layers and --sliding-window."""
-    from dflash.io.drafter import read_drafter_config
+    from dflash.io.drafter_dir import read_drafter_config
     from dflash.io.fit import check_fits_target
     from dflash.model.dflash2 import check_kind, config_for_target
 
@@ -102,7 +102,7 @@ def load_target(config: TrainConfig, device: torch.device, path=None, cpu: bool 
     path, opts = path or config.io.target, config.model
     layer_ids, mask_token = opts.target_layer_ids, opts.mask_token
     if opts.init_drafter:
-        from dflash.io.drafter import read_drafter_config
+        from dflash.io.drafter_dir import read_drafter_config
         from dflash.io.fit import check_fits_target, target_shape
 
         init = read_drafter_config(opts.init_drafter)

@@ -76,7 +76,7 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from dflash.io.drafter import save_drafter
+    from dflash.io.drafter_dir import save_drafter
 
     rank, group = d.rank, d.group
 

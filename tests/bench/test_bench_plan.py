@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash.plan.memory import COEFFS, MicroBatch, activation_terms
-from dflash.plan.shapes import drafter_shape, preset_shape
+from dflash.plan.sizes import drafter_shape, preset_shape
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -76,3 +76,13 @@ def test_the_layout_check_finds_a_comparison(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('def f(layout):\n    return layout == "offload" or layout in ("shard", "x")\n')
     assert len(_compared_names(probe, {"offload", "shard"})) == 2
+
+
+def test_module_names_are_unique_inside_dflash():
+    """A module's name says its job: two modules of one name in different sub-packages read as one."""
+    from collections import Counter
+
+    names = Counter(p.name for p in MODULES if p.name not in ("__init__.py", "__main__.py"))
+    repeated = {name: sorted(str(p.relative_to(ROOT)) for p in MODULES if p.name == name)
+                for name, n in names.items() if n > 1}
+    assert not repeated, f"module names repeated inside dflash/: {repeated}"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash.cli import eval_main, eval_parser
-from dflash.io.drafter import save_drafter
+from dflash.io.drafter_dir import save_drafter
 from dflash.decode.evaluate import untrained_drafter
 from dflash.model.target import Target
 from tests.support.dflash_train_fixtures import save_chat_target, write_chat_jsonl

@@ -13,7 +13,7 @@ import torch
 from dflash.cli import eval_main
 from dflash.decode.evaluate import evaluate_baseline, format_results, untrained_drafter
 from dflash.decode.lossless import NEAR_TIE_ULPS, DivergenceWatch, judge_divergence, near_tie_tolerance
-from dflash.io.drafter import save_drafter
+from dflash.io.drafter_dir import save_drafter
 from dflash.model.target import Target
 from tests.support.dflash_tiny import save_tiny_target
 from tests.support.dflash_train_fixtures import save_chat_target, write_chat_jsonl

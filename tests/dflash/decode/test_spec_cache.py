@@ -116,7 +116,7 @@ def test_demo_target_decodes_losslessly_with_and_without_caches():
     """The pre-trained demo hybrid (6 GatedDeltaNet + 2 attention layers): a drafter that is right on
     a varying number of tokens (a noisy greedy oracle) gives every accept length, and the output is
     greedy decoding's, cached and uncached."""
-    from dflash.demo.target import build_demo_target, default_demo_dir
+    from dflash.demo.tiny_target import build_demo_target, default_demo_dir
 
     target = Target.load(build_demo_target(default_demo_dir(), progress=False))
     prompts = [target.tokenizer.encode(text) for text in ("The cat sat on", "Question: what is")]

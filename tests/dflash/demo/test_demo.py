@@ -11,7 +11,7 @@ import os
 import pytest
 
 from dflash.demo.corpus import demo_conversations
-from dflash.demo.target import DemoSpec, answer_diversity, build_demo_target, probe_greedy, read_demo_record
+from dflash.demo.tiny_target import DemoSpec, answer_diversity, build_demo_target, probe_greedy, read_demo_record
 from dflash.model.target import Target
 
 
@@ -74,7 +74,7 @@ def test_incomplete_build_is_rebuilt(tmp_path):
 
 
 def test_default_cache_dir_follows_env(tmp_path, monkeypatch):
-    from dflash.demo.target import default_demo_dir
+    from dflash.demo.tiny_target import default_demo_dir
 
     monkeypatch.setenv("DFLASH_DEMO_CACHE", str(tmp_path))
     assert default_demo_dir() == tmp_path

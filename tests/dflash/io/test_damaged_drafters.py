@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.errors import DrafterError
-from dflash.io.drafter import expected_tensors, load_drafter, read_drafter_config, save_drafter
+from dflash.io.drafter_dir import expected_tensors, load_drafter, read_drafter_config, save_drafter
 from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.model.drafter import Drafter, DrafterConfig
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash.io.drafter import expected_tensors, load_drafter, read_drafter_config, save_drafter
+from dflash.io.drafter_dir import expected_tensors, load_drafter, read_drafter_config, save_drafter
 from dflash.io.fit import check_fits_target, target_shape
 from dflash.io.legacy import convert_legacy
 from dflash.errors import DrafterError
@@ -235,7 +235,7 @@ def test_fp32_training_checkpoint_round_trip_is_exact_and_says_float32(tmp_path)
 def test_bf16_weights_on_a_cpu_are_upcast_exactly_with_a_note(tmp_path, caplog):
     drafter = make_drafter(tiny_config()).to(torch.bfloat16)
     save_drafter(drafter, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="dflash.io.drafter"):
+    with caplog.at_level(logging.WARNING, logger="dflash.io.drafter_dir"):
         loaded = load_drafter(tmp_path, device="cpu").eval()
     assert loaded.fc.weight.dtype == torch.float32
     assert "bfloat16 weights; upcast to float32" in caplog.text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.io.drafter import MODEL_FILE, load_drafter, save_drafter
+from dflash.io.drafter_dir import MODEL_FILE, load_drafter, save_drafter
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.target import Target
 from tests.support.dflash_tiny import save_tiny_target

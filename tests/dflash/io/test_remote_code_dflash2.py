@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from dflash.io import dflash2
-from dflash.io.drafter import MODEL_FILE, load_drafter, save_drafter
+from dflash.io import dflash2_layout as dflash2
+from dflash.io.drafter_dir import MODEL_FILE, load_drafter, save_drafter
 from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.model.masks import drafter_attention_mask
 from dflash.model.target import Target

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.io.drafter import load_drafter, read_drafter_config
+from dflash.io.drafter_dir import load_drafter, read_drafter_config
 from dflash.io.engines import last_layer_problem, mask_token_problem
 from tests.support import engine_import_double as double
 from tests.support.serving_wheels import wheel

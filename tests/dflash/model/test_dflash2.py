@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.errors import DrafterError
-from dflash.io.drafter import load_drafter, read_drafter_config, save_drafter
+from dflash.io.drafter_dir import load_drafter, read_drafter_config, save_drafter
 from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter, block_conv, build_drafter
 from dflash.model.drafter import Drafter, DrafterConfig
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dflash.io.drafter import load_drafter, save_drafter
+from dflash.io.drafter_dir import load_drafter, save_drafter
 from dflash.errors import DrafterError
 from dflash.model.drafter import Drafter, DrafterConfig
 

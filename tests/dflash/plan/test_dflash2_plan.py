@@ -1,7 +1,7 @@
 """The planner counts a DFlash2 drafter: its parameters are DFlash's plus the convolutions and the selector."""
 
 from dflash.model.dflash2 import dflash2_extra_params
-from dflash.plan.shapes import drafter_shape, target_shape
+from dflash.plan.sizes import drafter_shape, target_shape
 
 
 def test_the_planner_counts_a_dflash2_drafter_at_the_27b_shape():

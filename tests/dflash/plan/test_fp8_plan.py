@@ -6,7 +6,7 @@ import math
 
 from dflash.plan.memory import MicroBatch, rank_peaks
 from dflash.plan.planner import card_from_args, fewest_stages
-from dflash.plan.shapes import drafter_shape, target_shape
+from dflash.plan.sizes import drafter_shape, target_shape
 from tests.support.dflash_tiny import save_tiny_target
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dflash.cli import main
-from dflash.plan import command, shapes
+from dflash.plan import command, sizes as shapes
 from tests.support.bad_input import assert_clear_failure
 from tests.support.dflash_train_fixtures import save_chat_target
 

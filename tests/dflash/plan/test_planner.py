@@ -8,7 +8,7 @@ import pytest
 from dflash.errors import ConfigError
 from dflash.plan.memory import MicroBatch
 from dflash.plan.planner import best_fitting, card_from_args, plan
-from dflash.plan.shapes import drafter_shape, preset_shape
+from dflash.plan.sizes import drafter_shape, preset_shape
 from dflash.plan.throughput import CARDS, tokens_per_second
 
 STANDARD = MicroBatch(2, 4096, 512)

@@ -12,7 +12,7 @@ import torch
 
 from dflash.train import checkpoint as ckpt
 from dflash.config import TrainConfig
-from dflash.io.drafter import load_drafter
+from dflash.io.drafter_dir import load_drafter
 from dflash.errors import CheckpointError
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.train.schedule import lr_lambda

@@ -266,7 +266,7 @@ def test_a_dflash_and_a_dflash2_drafter_train_on_one_pipelined_target(tiny, tmp_
     import subprocess
     import sys
 
-    from dflash.io.drafter import load_drafter
+    from dflash.io.drafter_dir import load_drafter
     from dflash.model.dflash2 import DFlash2Drafter
 
     target, data = tiny

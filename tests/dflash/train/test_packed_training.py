@@ -14,7 +14,7 @@ import torch
 from dflash.cli import train_config, train_main
 from dflash.config.drafters import drafter_out
 from dflash.errors import CheckpointError
-from dflash.io.drafter import load_drafter
+from dflash.io.drafter_dir import load_drafter
 from dflash.model.dflash2 import DFlash2Drafter
 from dflash.train.rundir import RunDir
 from dflash.train.trainer import train

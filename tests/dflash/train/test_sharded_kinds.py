@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.cli import train_main
-from dflash.io.drafter import load_drafter
+from dflash.io.drafter_dir import load_drafter
 from dflash.model.dflash2 import DFlash2Drafter
 from dflash.train import checkpoint as ckpt
 from dflash.train.rundir import RunDir

@@ -21,7 +21,7 @@ from dflash.train.setup import load_target
 from dflash.train.sharded_checkpoint import full_drafter
 from dflash.train.trainer import train
 from dflash.demo.corpus import demo_conversations
-from dflash.demo.target import build_demo_target
+from dflash.demo.tiny_target import build_demo_target
 
 log = logging.getLogger(__name__)
 

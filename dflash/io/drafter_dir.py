@@ -5,7 +5,7 @@
                              (a sharded model.safetensors.index.json + shards is read as well)
     DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/io/remote_code.py) that config.json's
                              auto_map names: AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it
-                             (a DFlash2 drafter: modeling_dflash2.py and its DFlash2DraftModel, dflash.io.dflash2)
+                             (a DFlash2 drafter: modeling_dflash2.py and its DFlash2DraftModel, dflash.io.dflash2_layout)
 
 config.json, as `reference_config` writes it (one key per DrafterConfig field, except the two that nest):
 
@@ -51,7 +51,7 @@ import torch
 from common.fsutil import atomic_write
 
 from dflash.errors import DrafterError
-from dflash.io import dflash2
+from dflash.io import dflash2_layout as dflash2
 from dflash.io.config_keys import DFLASH_KEYS, unsupported_keys
 from dflash.io.config_values import as_float as _float, as_int as _int, as_int_list as _int_list, as_mapping as _mapping
 from dflash.model.dflash2 import DFLASH2_KEYS, DFlash2Config, build_drafter

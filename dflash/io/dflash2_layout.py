@@ -1,4 +1,4 @@
-"""What the DFlash2 layout adds to the reference DFlash layout on disk (dflash.io.drafter reads and writes
+"""What the DFlash2 layout adds to the reference DFlash layout on disk (dflash.io.drafter_dir reads and writes
 both; docs/dflash2.md lists where each engine reads each key and tensor):
 
     architectures ["DFlash2DraftModel"]       vLLM registry -> qwen3_dflash2.DFlash2Qwen3ForCausalLM;

@@ -235,7 +235,7 @@ def preset_shape(name: str, layers: int | None = None, fp8: bool = False) -> Tar
 
 
 PRESETS = ("27b", "demo")
-# The built-in demo's target (dflash.demo.target.DemoSpec and its model: 768 tokens, 8 layers, width 64).
+# The built-in demo's target (dflash.demo.tiny_target.DemoSpec and its model: 768 tokens, 8 layers, width 64).
 DEMO = dict(hidden=64, layers=8, vocab=768, intermediate=192, heads=4, kv_heads=2, head_dim=32,
             linear_k_heads=4, linear_v_heads=4, linear_head_dim=16)
 
