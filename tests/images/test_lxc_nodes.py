@@ -21,12 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from images import network
 from tests.images.test_lxc import python_mounts, wait_for_init
 from tests.support.bridge import lxc_bridge
-from tests.support.dflash_train_fixtures import read_metrics, train_args
+from tests.support.dflash_train_fixtures import assert_same_run, train_args
 
 pytestmark = [pytest.mark.lxc, pytest.mark.docker]
 
@@ -139,31 +138,7 @@ def test_two_containers_on_a_bridge_train_across_nodes_like_one_node(nodes, shar
     r = n0.attach([*ENV, "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "dflash.cli", "train", *one_node],
                   timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    same_run(shared / "one", shared / "nodes")
-
-
-def same_run(a: Path, b: Path) -> None:
-    """tests/dflash/train/test_layouts.py's comparison: per-step losses and gradient norms to 1e-6
-    (relative), the same tokens and anchors, and the same exported drafter (files, config.json, fp32
-    weights to 1e-6)."""
-    from safetensors.torch import load_file
-
-    from dflash.train.rundir import RunDir
-
-    one, other = read_metrics(a), read_metrics(b)
-    assert [m["step"] for m in other] == [m["step"] for m in one] and one
-    for x, y in zip(one, other):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6)
-        assert (y["tokens"], y["anchors"]) == (x["tokens"], x["anchors"])
-    da, db = RunDir(a).drafter, RunDir(b).drafter
-    assert sorted(p.name for p in da.iterdir()) == sorted(p.name for p in db.iterdir())
-    assert (da / "config.json").read_text() == (db / "config.json").read_text()
-    wa, wb = load_file(str(da / "model.safetensors")), load_file(str(db / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert wb[name].dtype == wa[name].dtype == torch.float32
-        torch.testing.assert_close(wb[name], wa[name], rtol=1e-6, atol=1e-6)
+    assert_same_run(shared / "one", shared / "nodes")  # the layouts' tests' comparison
 
 
 def test_doctor_says_a_node_without_a_routable_interface_cannot_join(python_template, workload, tmp_path):

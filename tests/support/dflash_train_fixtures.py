@@ -75,3 +75,29 @@ def drop_run_log_handlers() -> None:
     for handler in [h for h in logger.handlers if getattr(h, "_dflash", False)]:
         logger.removeHandler(handler)
         handler.close()
+
+
+def assert_same_run(a: Path, b: Path, tolerance: float = 1e-6) -> None:
+    """Two runs trained the same: per-step losses and gradient norms to `tolerance` (relative), the same tokens
+    and anchors, and the same exported drafter (file names, config.json, fp32 weights to `tolerance`)."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash.train.rundir import RunDir
+
+    one, other = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in other] == [m["step"] for m in one] and one
+    for x, y in zip(one, other):
+        assert y["loss"] == pytest.approx(x["loss"], rel=tolerance)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=tolerance)
+        assert (y["tokens"], y["anchors"]) == (x["tokens"], x["anchors"])
+    da, db = RunDir(a).drafter, RunDir(b).drafter
+    assert sorted(p.name for p in da.iterdir()) == sorted(p.name for p in db.iterdir())
+    assert (da / "config.json").read_text() == (db / "config.json").read_text()
+    wa, wb = load_file(str(da / "model.safetensors")), load_file(str(db / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert wb[name].dtype == wa[name].dtype == torch.float32
+        torch.testing.assert_close(wb[name], wa[name], rtol=tolerance, atol=tolerance)
+

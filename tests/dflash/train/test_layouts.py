@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash.config import TrainConfig
 from dflash.errors import CheckpointError, ConfigError
 from dflash.train import checkpoint as ckpt
 from dflash.train import layouts
 from dflash.train.rundir import RunDir
-from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
+from tests.support.dflash_train_fixtures import (assert_same_run, save_chat_target, train_args,
+                                                 write_chat_jsonl)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -79,31 +79,6 @@ def _launch(tmp_path: Path, procs: int, argv: list[str]) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
 
-def _weights(out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(RunDir(out).drafter / "model.safetensors"))
-
-
-def _same_run(a: Path, b: Path) -> None:
-    """Per-step losses and gradient norms to 1e-6 (relative), the same tokens and anchors, and the same
-    exported drafter: the same file names, config.json, and fp32 weights to 1e-6."""
-    one, other = read_metrics(a), read_metrics(b)
-    assert [m["step"] for m in other] == [m["step"] for m in one] and one
-    for x, y in zip(one, other):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-6)
-        assert (y["tokens"], y["anchors"]) == (x["tokens"], x["anchors"])
-    da, db = RunDir(a).drafter, RunDir(b).drafter
-    assert sorted(p.name for p in da.iterdir()) == sorted(p.name for p in db.iterdir())
-    assert (da / "config.json").read_text() == (db / "config.json").read_text()
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert wb[name].dtype == wa[name].dtype == torch.float32
-        torch.testing.assert_close(wb[name], wa[name], rtol=1e-6, atol=1e-6)
-
-
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """The tiny target, its data, and the plain one-process run every layout is compared with."""
@@ -120,7 +95,7 @@ def test_shard_on_two_processes_matches_one_process(toy, tmp_path):
     DCP shards, one file per rank, beside the gathered fp32 drafter."""
     root, target, data = toy
     _launch(tmp_path, 2, train_args(target, data, tmp_path / "shard", layout="shard", **OPTS))
-    _same_run(root / "one", tmp_path / "shard")
+    assert_same_run(root / "one", tmp_path / "shard")
     last = ckpt.latest_checkpoint(RunDir(tmp_path / "shard").checkpoints)
     assert sorted(p.name for p in (last / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert ckpt.load_state(last)["checkpoint_kind"] == "dcp" and "optimizer" not in ckpt.load_state(last)
@@ -132,7 +107,7 @@ def test_offload_on_two_processes_matches_one_process(toy, tmp_path):
     AdamW step over the sharded host copies) against the plain process."""
     root, target, data = toy
     _launch(tmp_path, 2, train_args(target, data, tmp_path / "offload", layout="offload", **OPTS))
-    _same_run(root / "one", tmp_path / "offload")
+    assert_same_run(root / "one", tmp_path / "offload")
 
 
 @pytest.mark.slow  # a plain process, then a torchrun launch of 2 gloo processes (about 50 s)
@@ -145,7 +120,7 @@ def test_shard_alone_matches_one_process_and_resumes_at_another_world_size(toy, 
 
     out = tmp_path / "alone"
     _launch(tmp_path, 1, train_args(target, data, out, layout="shard", **OPTS))
-    _same_run(root / "one", out)
+    assert_same_run(root / "one", out)
 
     cut = tmp_path / "cut"
     shutil.copytree(out, cut)
@@ -161,7 +136,7 @@ def test_shard_alone_matches_one_process_and_resumes_at_another_world_size(toy, 
     assert train_main(argv + ["--layout", "replicate"]) != 0  # refused, before anything loads
     assert "--layout replicate cannot read it" in RunDir(cut).log.read_text()
     _launch(tmp_path, 2, train_args(target, data, cut, layout="shard", **OPTS) + ["--resume"])
-    _same_run(root / "one", cut)
+    assert_same_run(root / "one", cut)
 
 
 @pytest.mark.slow  # needs the module's one-process run (about 15 s)
@@ -181,6 +156,6 @@ def test_pipeline_on_four_processes_matches_one_process(toy, tmp_path):
     root, target, data = toy
     out = tmp_path / "pipeline"
     _launch(tmp_path, 4, train_args(target, data, out, layout="pipeline", target_stages=2, **OPTS))
-    _same_run(root / "one", out)
+    assert_same_run(root / "one", out)
     last = ckpt.latest_checkpoint(RunDir(out).checkpoints)
     assert sorted(p.name for p in (last / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
