@@ -17,7 +17,8 @@
 #   4. the GPU test tier (pytest -m gpu over the test files that have GPU tests)
 #   5. bench/bench_kernels.py                             -> OUT/kernels.json
 #   6. bench/bench_train.py --presets 27b, sdpa vs flex   -> OUT/train-27b.json
-#   7. bench/bench_length_mix.py --preset 27b: a chat-like mix, padded vs packed -> OUT/length-mix-27b.json
+#   7. bench/bench_length_mix.py --preset 27b: a chat-like mix, padded vs packed -> OUT/length-mix-27b.json,
+#      and a DFlash2 drafter packed                  -> OUT/length-mix-27b-dflash2.json
 # Everything printed also goes to OUT/gpu_check.log.
 set -uo pipefail
 
@@ -97,6 +98,9 @@ step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention 
     --json "$OUT/train-27b.json"
 # shellcheck disable=SC2086
 step length-mix-27b 540 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b $MIX_ARGS --json "$OUT/length-mix-27b.json"
+# shellcheck disable=SC2086
+step length-mix-27b-dflash2 540 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --kind dflash2 --variants packed \
+    $MIX_ARGS --json "$OUT/length-mix-27b-dflash2.json"
 
 echo "=== done $(date -u +%H:%M:%S); failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]
