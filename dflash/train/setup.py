@@ -44,6 +44,21 @@ def packing(config: TrainConfig, device: torch.device) -> bool:
     return on
 
 
+def padded_options_unused(config: TrainConfig) -> str | None:
+    """A warning when packed rows leave padded-batch options the run set (not their defaults) unused."""
+    from dflash.config import ModelConfig, OptimConfig
+
+    set_ = [flag for flag, value, default in (
+        ("--batch-size", config.optim.batch_size, OptimConfig().batch_size),
+        ("--max-tokens", config.optim.max_tokens, OptimConfig().max_tokens),
+        ("--max-anchors", config.model.max_anchors, ModelConfig().max_anchors)) if value != default]
+    if not set_:
+        return None
+    return (f"{', '.join(set_)} only shape{'s' if len(set_) == 1 else ''} padded batches, and this run packs (--packing {config.optim.packing}): each "
+            f"rank trains rows of --pack-tokens {config.optim.pack_tokens} with --pack-anchors "
+            f"{config.optim.pack_anchors}; pass --packing off to train padded batches instead")
+
+
 def auto_precision(device: torch.device) -> torch.dtype:
     """--precision auto on `device`: bf16 on a GPU, float32 elsewhere."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

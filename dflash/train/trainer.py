@@ -30,7 +30,7 @@ from dflash.train.loop import TrainingLoop
 from dflash.train.monitor import claimed_run
 from dflash.train.precheck import check_before_loading
 from dflash.train.rundir import RunDir
-from dflash.train.setup import attention_impl, load_target
+from dflash.train.setup import attention_impl, load_target, padded_options_unused
 from dflash.train.signals import StopFlag
 
 log = logging.getLogger("dflash.train")
@@ -79,6 +79,8 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
             log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention, %s",
                      loop.total_steps, len(items), d.world_size, d.device, lane.autocast_dtype,
                      lane.drafter.attention, batches)
+            if lane.packed and d.is_main and (note := padded_options_unused(config)):
+                log.warning("%s", note)
             result = loop.run().results[""]
             getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop
             return result

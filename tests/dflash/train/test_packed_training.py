@@ -33,6 +33,9 @@ def test_a_packed_run_counts_real_tokens_and_resumes_to_the_same_drafter(tiny_ch
     assert train_main(train_args(target, data, whole, max_steps=4, drafter_layers=2, **PACKED)) == 0
     records = [m for m in read_metrics(whole) if m.get("split") == "train"]
     assert len(records) == 4 and all(0 < m["tokens"] <= 256 and m["anchors"] <= 24 for m in records)
+    told = RunDir(whole).log.read_text()
+    assert "packed rows of 256 tokens with 24 anchors" in told
+    assert "--max-tokens, --max-anchors only shape padded batches" in told  # train_args sets both
 
     parts = tmp_path / "parts"
     first = train_config(train_args(target, data, parts, max_steps=4, drafter_layers=2, **PACKED))
