@@ -57,7 +57,7 @@ def builder_venv(target: tg.Target, work: Path, log: Path) -> tuple[Path, float]
     seconds = sh([f"python{target.python}", "-m", "venv", str(venv)], log)
     seconds += sh([str(uv), "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
                    "--require-hashes", "-r", str(REPO / "locks" / target.torch.lock / "builder.txt")], log)
-    return python, seconds
+    return python, round(seconds, 1)
 
 
 def bench_target(target: tg.Target, work: Path, dist: Path) -> dict:
