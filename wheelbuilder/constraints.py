@@ -80,7 +80,8 @@ def read_constraints(source: str, path: Path, seen: set[Path] | None = None) -> 
             f"fail the same way; fix or unset {source.split()[-1]} before `make lock`.") from None
     found = []
     for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split(" #", 1)[0].strip()
+        # a trailing comment, and per-requirement options such as `--hash=...` on the same line
+        line = raw.split(" #", 1)[0].split(" --", 1)[0].strip()
         if not line or line.startswith("#"):
             continue
         if line.startswith(("-c ", "-r ", "--constraint ", "--requirement ")):

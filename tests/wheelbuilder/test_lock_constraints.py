@@ -48,12 +48,13 @@ def test_every_pypi_lock_pins_the_torch_targets_toml_asks_for():
 
 def test_pip_constraint_capping_torch_stops_the_lock_naming_file_and_line(tmp_path, clean_env):
     caps = tmp_path / "site-constraints.txt"
-    caps.write_text("# the site's pins\nnumpy<3\ntorch<2.13  # tested line\n")
+    caps.write_text("# the site's pins\nnumpy<3 --hash=sha256:" + "0" * 64 + "\ntorch<2.13  # tested line\n"
+                    "torch<=2.12.1 --hash=sha256:" + "1" * 64 + "\n")
     before = digest(LOCKS / LINE)
     run = lock_cli("--only", LINE, env=dict(clean_env, PIP_CONSTRAINT=str(caps)))
     assert run.returncode == 2, run.stderr
     assert "torch 2.14.1 ([torch.cu130-2_14] in targets.toml) is hidden" in run.stderr
-    assert f"'torch<2.13' at {caps}:3 (from PIP_CONSTRAINT)" in run.stderr
+    assert f"'torch<2.13' at {caps}:3 (from PIP_CONSTRAINT); 'torch<=2.12.1' at {caps}:4" in run.stderr
     assert "unset PIP_CONSTRAINT" in run.stderr
     assert digest(LOCKS / LINE) == before  # nothing was rewritten
 
