@@ -93,6 +93,7 @@ def main() -> int:
     dist = args.dist.absolute() if args.dist else work / "wheels"
     rows, skipped = [], {}
     started = time.monotonic()
+    ok = False
     try:
         for name in names:
             target = catalog.target(name)
@@ -103,8 +104,12 @@ def main() -> int:
             print(f"{row['target']:<24} build {row['build_seconds']:>6.1f} s  import-check "
                   f"{row['import_check_seconds']:>5.1f} s  {row['size'] / 1e6:5.1f} MB  {row['sha256']}", flush=True)
             rows.append(row)
+        ok = True
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # the build logs say why
+            print(f"kept {work} (logs of the failed step)", file=sys.stderr)
     record = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
               "source_date_epoch": int(os.environ.get("SOURCE_DATE_EPOCH", 0)) or None,
               "build_dir": str(BUILD_DIR), "targets": rows, "skipped": skipped,

@@ -47,16 +47,18 @@ def test_each_pypi_line_has_a_target_for_sm120_and_sm90_with_the_cuda_pypi_ships
     assert catalog.target("cu132-sm120-torch2.15").toolkit.packages[0] == "nvidia-cuda-nvcc==13.2.86"
 
 
-def test_torch_2_13_and_later_build_as_cxx20_older_ones_as_cxx17():
+def test_torch_2_12_and_later_build_as_cxx20_older_ones_as_cxx17():
+    """torch 2.12's cpp_extension already writes -std=c++20 (seen in a cu130-sm120-torch2.12 build's
+    build.ninja); from 2.13 torch's headers require it; 2.10 and 2.11 write -std=c++17."""
     for t in tg.load().targets.values():
-        want = "c++20" if Version(t.torch.public) >= Version("2.13") else "c++17"
+        want = "c++20" if Version(t.torch.public) >= Version("2.12") else "c++17"
         assert t.torch.cxx_standard == want, (t.name, t.torch.version)
 
 
 def test_an_unknown_cxx_standard_is_refused_with_the_choices(tmp_path):
     text = (REPO / "targets.toml").read_text().replace('cxx_standard = "c++20"', 'cxx_standard = "c++2a"', 1)
     (tmp_path / "targets.toml").write_text(text)
-    with pytest.raises(ConfigurationError, match=r"\[torch.cu130-2_13\]: cxx_standard 'c\+\+2a' is not one of c\+\+17, c\+\+20"):
+    with pytest.raises(ConfigurationError, match=r"\[torch.cu130-2_12\]: cxx_standard 'c\+\+2a' is not one of c\+\+17, c\+\+20"):
         tg.load(tmp_path / "targets.toml")
 
 
