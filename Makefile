@@ -8,6 +8,8 @@ PYTHON  ?= python3.11
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# e.g. --targets cu130-sm120-torch2.14 --results bench/results/<machine>/wheels-matrix.json
+BENCH_MATRIX_ARGS ?=
 HOST    ?=
 CTID    ?=
 PUSH_ARGS ?=
@@ -16,7 +18,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels image demo lint test test-fast bench bench-build bench-kernels bench-scaling bench-train bench-length-mix bench-multi bench-drafter bench-flex bench-fit bench-plan bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels wheels-matrix index image demo lint test test-fast bench bench-build bench-matrix bench-kernels bench-scaling bench-train bench-length-mix bench-multi bench-drafter bench-flex bench-fit bench-plan bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -47,6 +49,12 @@ pin-images: engine  ## pull the CUDA devel images the builders copy nvcc from; r
 wheels: engine  ## build the target's wheels in the builder stage -> dist/wheels/$(TARGET)/
 	$(PY) -m images wheels --target $(TARGET)
 
+wheels-matrix: engine  ## every target's wheels that build here (builder stage, one after another), then dist/index
+	$(PY) -m images wheels-matrix
+
+index: venv  ## a PEP 503 simple index of dist/wheels/ in dist/index/ (per target: <server>/<target>/simple)
+	$(PY) -m wheelbuilder index
+
 image: wheels  ## build the runtime image dflash-train:$(TARGET) from dist/wheels/$(TARGET)/
 	$(PY) -m images image --target $(TARGET)
 
@@ -55,6 +63,9 @@ demo: image  ## build what is missing, then run the built-in demo inside dflash-
 
 bench-build: venv  ## compile time: target's arch vs upstream's arch list, and a warm rebuild (native nvcc)
 	$(PY) bench/bench_build.py --target $(TARGET)
+
+bench-matrix: venv  ## every PyPI-toolkit target's wheel built natively, cold: build time, sha256, ABI check in its own venv
+	$(PY) bench/bench_matrix.py $(BENCH_MATRIX_ARGS)
 
 bench-train: venv  ## drafter training throughput and time split (demo target + a larger one)
 	$(PY) bench/bench_train.py

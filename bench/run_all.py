@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 # what each `make bench-*` target needs beyond the venv (bench-spec-step: "gpu" only at PRESET=27b)
 NEEDS = {
     "bench-build": ("nvcc",),
+    "bench-matrix": ("nvcc",),
     "bench-train": (),
     "bench-length-mix": (),
     "bench-multi": (),

@@ -3,6 +3,7 @@
     python -m images engine                     make sure a Docker engine with BuildKit runs
     python -m images base                       bootstrap dflash-base:bookworm from a Debian mirror
     python -m images wheels --target T          builder stage -> dist/wheels/T/ (wheels + manifest.json)
+    python -m images wheels-matrix              every target that builds here, then dist/index (PEP 503)
     python -m images image --target T           runtime image dflash-train:T from those wheels
     python -m images export ... / push ...      OCI archive or LXC template; ship to a Proxmox host
     python -m images publish --registry R       push the image and its SBOM to an OCI registry
@@ -21,7 +22,7 @@ from common.cli import DefaultsOnceHelpFormatter, add_version
 from common.cli import run_cli
 
 # Modules that add their own subcommands through `register(subparsers)`.
-SUBCOMMAND_MODULES = ("images.build", "images.pins", "images.export", "images.push", "images.publish",
+SUBCOMMAND_MODULES = ("images.build", "images.matrix", "images.pins", "images.export", "images.push", "images.publish",
                       "images.push_docker")
 
 

@@ -7,6 +7,9 @@
     python -m wheelbuilder prepare-toolkit      (inside the builder stage: pip CUDA layout -> CUDA_HOME,
                                                  header mtimes clamped to SOURCE_DATE_EPOCH)
     python -m wheelbuilder diff A.whl B.whl     (why two wheels or ELF files differ: sections, symbols)
+    python -m wheelbuilder import-check --target T WHEEL  (the ABI check: a fresh venv with T's torch alone)
+    python -m wheelbuilder index [--wheels dist/wheels] [--out dist/index]
+                                                (a PEP 503 simple index of the verified wheels, per target)
 """
 
 from __future__ import annotations
@@ -77,6 +80,21 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("prepare-toolkit", help="builder stage only: make NVIDIA's pip CUDA wheels usable as CUDA_HOME, "
                    "clamp CUDA's and torch's header mtimes to SOURCE_DATE_EPOCH, print CUDA_HOME")
 
+    ic = sub.add_parser("import-check", help="install a wheel into a fresh venv holding only its target's torch "
+                        "(hash-pinned lock) and import its module: the ABI check")
+    ic.add_argument("--target", default=None, help="target the wheel was built for (default: the default target)")
+    ic.add_argument("--venv", type=_directory("--venv"), default=Path("/tmp/wheelbuilder-abi"),
+                    help="where the venv is made (emptied first; one folder per target below it)")
+    ic.add_argument("wheel", type=Path, help="the wheel file")
+
+    ix = sub.add_parser("index", help="write a PEP 503 simple index (one per target, and one of all) from the "
+                        "verified wheels, for pip --index-url through any static file server",
+                        formatter_class=DefaultsOnceHelpFormatter)
+    ix.add_argument("--wheels", type=_directory("--wheels"), default=DIST_WHEELS,
+                    help="folder of <target>/ folders, each with wheels and manifest.json")
+    ix.add_argument("--out", type=_directory("--out"), default=DIST_WHEELS.parent / "index",
+                    help="index folder (replaced as a whole)")
+
     d = sub.add_parser("diff", help="explain how two wheels or ELF files differ (exit 1 when they do, 6 when a "
                        "wheel is damaged)")
     d.add_argument("a", type=Path, help="first wheel or ELF file")
@@ -95,10 +113,20 @@ def main_inner(argv: list[str] | None = None) -> int:
         for w in read_manifest(args.dir).wheels:
             print(f"ok  {w.sha256}  {w.filename}")
         return 0
+    if args.command == "index":  # needs only the wheels' manifests
+        from .index import write_index
+
+        record = write_index(args.wheels, args.out)
+        for target in sorted({w["target"] for w in record["wheels"]}):
+            print(f"{target:<24} pip install causal-conv1d --index-url <server>/{target}/simple")
+        print(f"wrote {args.out} ({len(record['wheels'])} wheels); serve it, e.g. "
+              f"`python -m http.server -d {args.out} 8000`")
+        return 0
     catalog = tg.load(args.targets_file)
     if args.command == "list":
         rows = [{"target": t.name, "default": t.name == catalog.default_target, "cuda": str(t.toolkit.cuda),
-                 "toolkit": t.toolkit.kind, "torch": t.torch.version, "python": t.python,
+                 "toolkit": t.toolkit.kind, "torch": t.torch.version, "torch_index": t.torch.index,
+                 "cxx_standard": t.torch.cxx_standard, "lock": t.torch.lock, "python": t.python,
                  "arches": [str(a) for a in t.arches], "recipes": [r.key for r in t.recipes],
                  "description": t.description} for t in catalog.targets.values()]
         if args.json:
@@ -106,8 +134,10 @@ def main_inner(argv: list[str] | None = None) -> int:
         else:
             for r in rows:
                 star = "*" if r["default"] else " "
-                print(f"{star} {r['target']:<14} CUDA {r['cuda']:<7} torch {r['torch']:<14} py{r['python']:<5} "
+                print(f"{star} {r['target']:<22} CUDA {r['cuda']:<7} torch {r['torch']:<13} py{r['python']:<5} "
                       f"arches {','.join(r['arches']):<10} {r['description']}")
+            lines = sorted({tg.Version(t.torch.version).release[:2] for t in catalog.targets.values()})
+            print(f"{len(lines)} torch lines: " + ", ".join(f"{a}.{b}" for a, b in lines))
         return 0
     if args.command == "build":
         from .build import build_target
@@ -141,6 +171,16 @@ def main_inner(argv: list[str] | None = None) -> int:
 
         for path in lock_all(catalog, args.only, args.target):
             print(f"wrote {path.relative_to(REPO_ROOT)}")
+        return 0
+    if args.command == "import-check":
+        from .abicheck import import_check
+
+        target = catalog.target(args.target)
+        if not args.wheel.is_file():
+            raise FatalError(f"{args.wheel}: no such wheel file")
+        seen = import_check(args.wheel.absolute(), target, args.venv / target.name)
+        print(f"ok  {args.wheel.name} imports beside torch {seen['torch']} (CUDA {seen['torch_cuda']}) in "
+              f"{args.venv / target.name}")
         return 0
     if args.command == "diff":
         from .elfdiff import explain

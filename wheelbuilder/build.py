@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import recipes as rcp
 from common.cmd import echo, run
+from .cxx_standard import check_cxx_standard
 from .errors import BuildError, ConfigurationError
 from common.fsutil import exclusive, sha256_file, source_date_epoch
 from .targets import Recipe, Target
@@ -204,7 +205,8 @@ def build_target(target: Target, out_dir: Path, *, build_root: Path = DEFAULT_BU
             stage = rcp.stage_dir(out_dir, ".staging-")
             try:
                 raw = compile_recipe(recipe, target, toolchain, plan, src, stage, log)
-                info = build_info(target, recipe, nvcc=str(toolchain.nvcc_version),
+                cxx_standard = check_cxx_standard(src, recipe, target)
+                info = build_info(target, recipe, nvcc=str(toolchain.nvcc_version), cxx_standard=cxx_standard,
                                   local_version=target.local_version(), source_date_epoch=plan.source_date_epoch)
                 wheel = repack_deterministic(raw, stage, extra_files={"wheelbuilder.json": info},
                                              source_date_epoch=plan.source_date_epoch)

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from common.cmd import run
+from common.cmd import echo, run
+from .constraints import refuse_hidden_torch
 from .errors import ConfigurationError, FatalError, ToolchainError
 from .targets import PYPI_INDEX, REPO_ROOT, Catalog, Target
 
@@ -77,6 +78,12 @@ def requirement_entries(text: str) -> tuple[list[str], dict[str, str]]:
     return options, {name: " \\\n    ".join(parts) for name, parts in entries.items()}
 
 
+def resolved_version(text: str, package: str) -> str | None:
+    """The version a lock file pins for `package` (None when it pins none)."""
+    entry = requirement_entries(text)[1].get(canonicalize_name(package))
+    return entry.split(" \\", 1)[0].partition("==")[2].strip() if entry else None
+
+
 def common_requirements(lock: str, *files: str) -> str:
     """The requirements every one of `files` pins identically (same version, same hashes), as a
     requirements file for `pip install --require-hashes --no-deps`."""
@@ -117,6 +124,7 @@ def lock_torch(catalog: Catalog, lock: str) -> list[Path]:
     if len(pythons) != 1:
         raise ToolchainError(f"targets sharing torch lock '{lock}' use different Pythons {sorted(pythons)}; give each its own lock.")
     python, torch = pythons.pop(), targets[0].torch
+    refuse_hidden_torch(torch.version, f"[torch.{torch.name}] in {catalog.path.name}")
     folder = LOCKS / lock
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
@@ -125,6 +133,8 @@ def lock_torch(catalog: Catalog, lock: str) -> list[Path]:
     except FatalError as e:
         if created:  # a first lock that failed leaves nothing half-made behind
             shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(e, ConfigurationError):  # the resolver answered, with another torch: not the index's fault
+            raise
         raise type(e)(f"{e}\nlocking locks/{lock}/ needs {torch.index} (torch {torch.version}): run it where "
                       "that index is reachable.") from None
 
@@ -140,6 +150,14 @@ def _lock_folder(catalog: Catalog, lock: str, folder: Path, python: str, torch) 
         if current.exists():  # uv keeps the pins of an existing output file unless the inputs rule them out
             shutil.copyfile(current, tmp)
         _compile(req, python, torch.index, tmp)
+        got = resolved_version(tmp.read_text(), "torch")
+        if got != torch.version:
+            tmp.unlink(missing_ok=True)
+            raise ConfigurationError(
+                f"locks/{lock}/{name}.txt: the resolver chose torch {got}, but [torch.{torch.name}] in "
+                f"{catalog.path.name} asks for {torch.version}. A constraint (UV_CONSTRAINT, a uv.toml) or an "
+                "index that lacks the version changed the result; the old lock is kept.")
+        echo(f"locks/{lock}/{name}.txt: resolved torch {got} from {torch.index} (requested {torch.version})")
         tmp.replace(current)
         written.append(current)
     tmp = folder / ".common.txt.tmp"
@@ -164,6 +182,9 @@ def lock_all(catalog: Catalog, only: str | None = None, target: str | None = Non
                     print(f"skipped locks/{t.torch.lock}/ (torch {t.torch.version} from {t.torch.index}): "
                           f"`make lock TARGET={t.name}` where that index is reachable")
         locks = sorted(set(locks))
+    for lock in locks:  # every torch checked before the first file is written
+        torch = next(t.torch for t in catalog.targets.values() if t.torch.lock == lock)
+        refuse_hidden_torch(torch.version, f"[torch.{torch.name}] in {catalog.path.name}")
     written = []
     for lock in locks:
         written += lock_torch(catalog, lock)

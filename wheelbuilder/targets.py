@@ -108,6 +108,7 @@ class TorchPin:
     cuda: Version
     index: str
     lock: str  # folder under locks/
+    cxx_standard: str = "c++17"  # what its C++ extensions compile as ("c++20" from torch 2.13)
 
     @property
     def from_pypi(self) -> bool:
@@ -307,11 +308,11 @@ def _load(path: Path) -> Catalog:
     torches = {}
     for name, t in data.get("torch", {}).items():
         where = f"[torch.{name}]"
-        _check_keys(t, {"version", "cuda", "index", "lock"}, where)
+        _check_keys(t, {"version", "cuda", "index", "lock", "cxx_standard"}, where)
         torches[name] = TorchPin(
             name=name, version=_need(t, "version", where),
             cuda=_version(_need(t, "cuda", where), where), index=_need(t, "index", where),
-            lock=_need(t, "lock", where),
+            lock=_need(t, "lock", where), cxx_standard=_cxx_standard(t, where),
         )
     recipes = {key: _load_recipe(key, t, str(path)) for key, t in data.get("recipes", {}).items()}
 
@@ -346,6 +347,18 @@ def _load(path: Path) -> Catalog:
     catalog = Catalog(path=path, default_target=default, targets=targets)
     catalog.target(default)  # the default must exist
     return catalog
+
+
+CXX_STANDARDS = ("c++17", "c++20")
+
+
+def _cxx_standard(t: dict, where: str) -> str:
+    value = t.get("cxx_standard", "c++17")
+    if value not in CXX_STANDARDS:
+        raise ConfigurationError(f"{where}: cxx_standard '{value}' is not one of {', '.join(CXX_STANDARDS)} "
+                                 "(torch < 2.13 builds extensions as c++17, 2.13 and later as c++20)."
+                                 + did_you_mean(str(value), CXX_STANDARDS))
+    return value
 
 
 def _toolkit_image(t: dict, kind: str, where: str) -> str:

@@ -305,6 +305,10 @@ def test_relative_directories_are_resolved_before_the_build(bd, tmp_path, monkey
         calls.append((cwd, cmd[cmd.index("-w") + 1], cmd[-1]))
         if not (Path(cwd) / cmd[-1] / "setup.py").is_file():
             raise BuildError(f"ERROR: Invalid requirement: '{cmd[-1]}'")
+        # what torch's BuildExtension leaves in the source tree, read by the C++ standard check
+        ninja = Path(cwd) / cmd[-1] / "build" / "temp.linux-x86_64-cpython-311" / "build.ninja"
+        ninja.parent.mkdir(parents=True, exist_ok=True)
+        ninja.write_text("post_cflags = -O3 -std=c++17\ncuda_post_cflags = -O3 -std=c++17\n")
         make_wheel(Path(cwd) / cmd[cmd.index("-w") + 1])
 
     monkeypatch.setattr(build_module, "run", pip_wheel)

@@ -93,14 +93,19 @@ def test_cu128_locks_hold_pypi_torch_2_10_with_cuda_12_8_libraries_and_hashes():
 def test_plain_lock_skips_non_pypi_torch_and_a_named_target_locks_it(monkeypatch, tmp_path, capsys):
     """`make lock` must work where only PyPI is reachable; the PyTorch-index variant is locked when named."""
     locked, compiled = [], []
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")  # a site constraint is test_lock_constraints.py's subject
+    monkeypatch.delenv("PIP_CONSTRAINT", raising=False)
+    monkeypatch.delenv("UV_CONSTRAINT", raising=False)
     monkeypatch.setattr(lk, "lock_torch", lambda catalog, lock: locked.append(lock) or [])
     monkeypatch.setattr(lk, "_compile", lambda req, python, index, out, constraints=None: compiled.append(req.name))
     monkeypatch.setattr(lk, "LOCKS", tmp_path)
     (tmp_path / "dev.txt").write_text("")
     catalog = tg.load()
     lk.lock_all(catalog)
-    assert locked == ["cu128", "cu130"] and compiled == ["dev.in"]
-    assert "make lock TARGET=cu128-sm120-torch2.11" in capsys.readouterr().out
+    assert locked == ["cu128", "cu130", "cu130-torch2.12", "cu130-torch2.13", "cu130-torch2.14", "cu132-torch2.15"]
+    assert compiled == ["dev.in"]
+    out = capsys.readouterr().out
+    assert "make lock TARGET=cu128-sm120-torch2.11" in out and "make lock TARGET=cu128-sm120-torch2.14" in out
     locked.clear(), compiled.clear()
     lk.lock_all(catalog, target="cu128-sm120-torch2.11")
     assert locked == ["cu128-torch2.11"] and compiled == []

@@ -28,7 +28,10 @@ def real_text() -> str:
 
 def test_real_file_loads_with_its_targets_and_default():
     cat = tg.load()
-    assert set(cat.targets) == {"cu128-sm120", "cu128-sm120-torch2.11", "cu130-sm120", "cu130-sm90"}
+    assert set(cat.targets) == {"cu128-sm120", "cu128-sm120-torch2.11", "cu130-sm120", "cu130-sm90",
+                                "cu128-sm120-torch2.14"} | {f"{cuda}-sm{sm}-torch{line}" for sm in (120, 90) for cuda, line in
+                                                            (("cu130", "2.12"), ("cu130", "2.13"), ("cu130", "2.14"),
+                                                             ("cu132", "2.15"))}
     assert cat.default_target == "cu128-sm120"
     t = cat.target(None)
     # The default locks from PyPI alone (PyPI's torch 2.10.0 is a CUDA 12.8 build); nvcc 12.8 comes

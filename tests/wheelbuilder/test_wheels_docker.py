@@ -1,8 +1,9 @@
 """The real thing: `make wheels TARGET=cu130-sm120` through the Dockerfile's builder stage.
 
 The wheel is built once per run (session fixture `built_wheels`), audited, installed into a clean venv
-with its torch and imported; a second, cold build from another checkout directory must give the same
-bytes. The cu128 default target's wheel cannot be built here (its nvcc is in a registry image): its
+with its torch and imported. Reproducibility is checked on the newest torch line CI builds
+(cu130-sm120-torch2.14, fixture `new_line_wheels`): a second, cold build from another checkout directory
+must give the same bytes. The cu128 default target's wheel cannot be built here (its nvcc is in a registry image): its
 plan is checked as far as it goes, here and in tests/wheelbuilder/test_cu128.py.
 """
 
@@ -25,6 +26,7 @@ from wheelbuilder.manifest import read_manifest, verify_wheels
 
 REPO = Path(__file__).resolve().parents[2]
 WHEEL = "causal_conv1d-1.7.0+cu130torch2.11sm120-cp311-cp311-linux_x86_64.whl"
+NEW_LINE_WHEEL = "causal_conv1d-1.7.0+cu130torch2.14sm120-cp311-cp311-linux_x86_64.whl"
 
 
 def sha256(path: Path) -> str:
@@ -80,7 +82,7 @@ def test_wheel_imports_in_a_clean_venv_with_its_torch(built_wheels, tmp_path):
 
 @pytest.mark.docker
 @pytest.mark.slow
-def test_two_cold_builds_in_different_directories_give_the_same_wheel(built_wheels, tmp_path):
+def test_two_cold_builds_in_different_directories_give_the_same_wheel(new_line_wheels, new_line_target, tmp_path):
     """Another checkout directory, no layer cache for the compile (REBUILD nonce), a cold compile (the
     builder's default: no ccache), another MAX_JOBS and NVCC_THREADS than the first build's (so other
     nvcc command lines and other process ids), and another compile environment (REBUILD, a 32-character
@@ -104,13 +106,14 @@ def test_two_cold_builds_in_different_directories_give_the_same_wheel(built_whee
     env.pop("CCACHE_DISABLE", None)
     subprocess.run([sys.executable, "-c",
                     "import sys; from images.build import build_wheels; from wheelbuilder import targets;"
-                    f"build_wheels(targets.load().target('cu130-sm120'), __import__('pathlib').Path({str(out)!r}),"
+                    f"build_wheels(targets.load().target({new_line_target.name!r}), __import__('pathlib').Path({str(out)!r}),"
                     f" rebuild={uuid.uuid4().hex!r})"],
                    cwd=checkout, env=env, check=True)
-    plan = (checkout / "logs" / "cu130-sm120-causal-conv1d.log").read_text()
+    plan = (checkout / "logs" / f"{new_line_target.name}-causal-conv1d.log").read_text()
     assert re.search(rf"^\s+max_jobs\s+{jobs}$", plan, re.M) and re.search(rf"^\s+nvcc_threads\s+{threads}$", plan, re.M)
-    assert sha256(out / WHEEL) == sha256(built_wheels / WHEEL), "\n".join(explain(built_wheels / WHEEL, out / WHEEL))
-    assert json.loads((out / "manifest.json").read_text())["wheels"][0]["sha256"] == sha256(built_wheels / WHEEL)
+    assert sha256(out / NEW_LINE_WHEEL) == sha256(new_line_wheels / NEW_LINE_WHEEL), \
+        "\n".join(explain(new_line_wheels / NEW_LINE_WHEEL, out / NEW_LINE_WHEEL))
+    assert json.loads((out / "manifest.json").read_text())["wheels"][0]["sha256"] == sha256(new_line_wheels / NEW_LINE_WHEEL)
 
 
 @pytest.mark.docker
