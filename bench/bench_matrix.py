@@ -112,7 +112,7 @@ def main() -> int:
             print(f"kept {work} (logs of the failed step)", file=sys.stderr)
     record = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
               "source_date_epoch": int(os.environ.get("SOURCE_DATE_EPOCH", 0)) or None,
-              "build_dir": str(BUILD_DIR), "targets": rows, "skipped": skipped,
+              "targets": rows, "skipped": skipped,
               "total_seconds": round(time.monotonic() - started, 1)}
     text = json.dumps(record, indent=2) + "\n"
     print(text)
