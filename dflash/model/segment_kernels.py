@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 
 
-def _named(fn: Callable, args: tuple, kwargs: dict) -> dict:
-    """The call `fn(*args, **kwargs)` as {parameter name: value}, its **kwargs folded in."""
-    sig = inspect.signature(fn)
+def _named(sig: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """A call with `args`, `kwargs` of a function of signature `sig` as {parameter name: value}, its
+    **kwargs folded in."""
     bound = sig.bind(*args, **kwargs).arguments
     for name, param in sig.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
@@ -43,9 +43,8 @@ def _named(fn: Callable, args: tuple, kwargs: dict) -> dict:
     return dict(bound)
 
 
-def _accepted(fn: Callable, call: dict) -> dict:
-    """The entries of `call` that `fn` names as parameters (never its **kwargs catch-all)."""
-    params = inspect.signature(fn).parameters
+def _accepted(params, call: dict) -> dict:
+    """The entries of `call` that a function with these parameters names (never its **kwargs catch-all)."""
     return {k: v for k, v in call.items() if k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD}
 
 
@@ -115,10 +114,11 @@ def conv1d_router(wrapper: Callable, torch_function: Callable, implementation: C
     """causal_conv1d_fn as the module docstring routes it. `wrapper` is transformers' dispatching function,
     `implementation` the kernel it resolved (its parameters say whether it takes seq_idx)."""
     takes_seq_idx = "seq_idx" in inspect.signature(implementation).parameters
+    reference = inspect.signature(torch_function)  # read once: the router runs in every layer's forward
 
     @functools.wraps(wrapper)
     def routed(*args, **kwargs):
-        call = _named(torch_function, args, kwargs)
+        call = _named(reference, args, kwargs)
         x, seq_idx = call["hidden_states"], call.get("seq_idx")
         if fast and x.is_cuda and (seq_idx is None or takes_seq_idx):
             if seq_idx is None:
@@ -139,20 +139,21 @@ def conv1d_router(wrapper: Callable, torch_function: Callable, implementation: C
 def delta_rule_router(wrapper: Callable, torch_function: Callable, implementation: Callable, fast: bool) -> Callable:
     """chunk_gated_delta_rule as the module docstring routes it. `wrapper` is transformers' dispatching
     function, `implementation` the kernel it resolved (its parameters say which arguments it takes)."""
-    takes_cu_seqlens = "cu_seqlens" in inspect.signature(implementation).parameters
+    kernel, reference = inspect.signature(implementation).parameters, inspect.signature(torch_function)
+    takes_cu_seqlens = "cu_seqlens" in kernel
 
     @functools.wraps(wrapper)
     def routed(*args, **kwargs):
-        call = _named(torch_function, args, kwargs)
+        call = _named(reference, args, kwargs)
         cu_seqlens = call.pop("cu_seqlens", None)
         if fast and call["query"].is_cuda and (cu_seqlens is None or takes_cu_seqlens):
             if cu_seqlens is None:
                 return wrapper(*args, **kwargs)
-            return _varlen_on_one_row(wrapper, _accepted(implementation, call) | {
+            return _varlen_on_one_row(wrapper, _accepted(kernel, call) | {
                 n: call[n] for n in ("query", "key", "value")}, cu_seqlens)
         if cu_seqlens is None:
             return torch_function(*args, **kwargs) if fast else wrapper(*args, **kwargs)
-        return delta_rule_by_segment(torch_function, cu_seqlens=cu_seqlens, **_accepted(torch_function, call))
+        return delta_rule_by_segment(torch_function, cu_seqlens=cu_seqlens, **_accepted(reference.parameters, call))
 
     routed.__dflash_routed__ = True
     return routed
