@@ -47,7 +47,6 @@ from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs
 from dflash.errors import TrainError
 from dflash.train.mfu import batch_flops
-from dflash.train.lane import Lane
 from dflash.train.loop import TrainingLoop
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.signals import StopFlag
@@ -111,16 +110,18 @@ def profile_forward(target, items, args, device, peak: float | None, profile_out
 
     with tempfile.TemporaryDirectory(prefix="bench-multi-prof-") as out:
         config = run_config(out, args, args.layers, device)
-        trainer = Lane(config, target, items, d=distributed.Dist(0, 1, 0, device))
+        loop = TrainingLoop({"": config}, target, items, distributed.Dist(0, 1, 0, device), StopFlag())
+        trainer = loop.first
         epoch, indices = trainer.order.next()
-        batch, anchors = trainer._collate_shard(epoch, indices)
-        context = target.context(batch["input_ids"], batch["attention_mask"])
-
+        batch, context, anchors_for = loop._share(epoch, indices)  # padded or packed, as the loop makes them
+        anchors = anchors_for(trainer)
+        n_anchors = config.optim.pack_anchors if trainer.packed else None
         state = {"drafter": trainer.drafter, "context": context}
 
         def forward():
             return micro_batch_sums(state["drafter"], target, batch, anchors, block_size=16, gamma=None,
-                                    autocast_dtype=trainer.autocast_dtype, context=state["context"])
+                                    autocast_dtype=trainer.autocast_dtype, context=state["context"],
+                                    n_anchors=n_anchors)
 
         for _ in range(3):
             forward().loss_sum.backward()  # compile forward and backward, as training does

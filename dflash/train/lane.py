@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash import distributed
 from dflash.config import TrainConfig
-from dflash.data.batches import DataOrder, collate, data_fingerprint, item_lengths
+from dflash.data.batches import DataOrder, data_fingerprint, item_lengths
 from dflash.data.packs import PackOrder
 from dflash.errors import CheckpointError, TrainError
 from dflash.train import checkpoint as ckpt
@@ -25,7 +25,6 @@ from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.train.evaluation import SplitEvaluator
 from dflash.train.mfu import StepFlops
 from dflash.train.monitor import MonitorPlan, RunMonitor
-from dflash.train.pack_batches import pack_micro_batch, rank_pack
 from dflash.train.rundir import RunDir
 from dflash.train.schedule import lr_lambda
 from dflash.train.setup import attention_impl, compile_layers, drafter_config, pad_id, packing, precision
@@ -159,19 +158,6 @@ class Lane:
             anchors.append(sample_anchors(item["loss_mask"], self.config.model.max_anchors, g))
         self.monitor.count(items, anchors)
         return anchors
-
-    def _collate_shard(self, epoch: int, indices: list) -> tuple[dict, list[torch.Tensor]]:
-        """This rank's share of a global micro-batch, collated, with each sequence's anchors (packed: its
-        pack, with the pack's anchors; dflash.train.pack_batches)."""
-        if self.packed:
-            mine, items, _stand_in = rank_pack(indices, self.items, self.d.rank)
-            batch, anchors, counted = pack_micro_batch(self.config, epoch, mine, items, self.pad_id, self.d.device)
-            self.monitor.count(items, counted)
-            return batch, anchors
-        mine, items = self._shard(indices)
-        anchors = self._anchors(epoch, mine, items)
-        batch = collate(items, self.pad_id)
-        return {k: v.to(self.d.device) for k, v in batch.items()}, anchors
 
     def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool,
                     context: torch.Tensor | None = None) -> StepSums:
