@@ -102,6 +102,24 @@ def _packed_sums(config: TrainConfig, drafter, target, items: list[dict], d: dis
     return totals
 
 
+def _padded_sums(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist, pad_id: int,
+                 autocast_dtype: torch.dtype) -> torch.Tensor | None:
+    """The split's sums in the training run's length-bucketed batches, each rank its share of each batch."""
+    optim, totals = config.optim, None
+    lengths = [len(it["input_ids"]) for it in items]
+    for batch_ids in make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
+        mine = distributed.shard(batch_ids, d)
+        if not mine:
+            continue
+        anchors = [sample_anchors(items[i]["loss_mask"], config.model.max_anchors,
+                                  torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i)) for i in mine]
+        batch = {k: v.to(d.device) for k, v in collate([items[i] for i in mine], pad_id).items()}
+        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=config.model.block_size,
+                                gamma=config.model.gamma, autocast_dtype=autocast_dtype).pack()
+        totals = sums if totals is None else totals + sums
+    return totals
+
+
 @torch.no_grad()
 def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist,
                    pad_id: int, autocast_dtype: torch.dtype, packed: bool = False) -> dict:
@@ -109,21 +127,9 @@ def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: d
     takes its share of each batch, or its pack when `packed`; the sums are added over ranks)."""
     was_training = drafter.training
     drafter.eval()
-    totals = None
-    lengths = [len(it["input_ids"]) for it in items]
-    bs, optim = config.model.block_size, config.optim
-    if packed:
-        totals = _packed_sums(config, drafter, target, items, d, pad_id, autocast_dtype)
-    for batch_ids in [] if packed else make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
-        mine = distributed.shard(batch_ids, d)
-        if not mine:
-            continue
-        anchors = [sample_anchors(items[i]["loss_mask"], config.model.max_anchors,
-                                  torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i)) for i in mine]
-        batch = {k: v.to(d.device) for k, v in collate([items[i] for i in mine], pad_id).items()}
-        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=bs,
-                                gamma=config.model.gamma, autocast_dtype=autocast_dtype).pack()
-        totals = sums if totals is None else totals + sums
+    sums_of = _packed_sums if packed else _padded_sums
+    totals = sums_of(config, drafter, target, items, d, pad_id, autocast_dtype)
+    bs = config.model.block_size
     if totals is None:  # this rank had no share: zeros keep the all-reduce in step
         totals = torch.zeros(4 + 4 * (bs - 1), device=d.device)
     metrics = summarize(distributed.all_reduce_sum(d, totals), bs)
