@@ -41,8 +41,7 @@ def main(argv=None) -> int:
 
     from dflash import distributed
     from dflash.demo.tiny_target import build_demo_target
-    from dflash.model.dflash2 import DFlash2Config, build_drafter
-    from dflash.model.drafter import DrafterConfig
+    from dflash.kinds import KINDS, build_drafter
     from dflash.model.target import Target
     from dflash.train.step import backward, micro_batch_sums
     from dflash.train.synthetic import synthetic_batch
@@ -51,8 +50,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     target = Target.load(build_demo_target(progress=False), device=device, dtype=torch.float32)
     shape = dict(num_hidden_layers=args.layers, block_size=args.block_size)
-    configs = {"dflash": DrafterConfig.from_target(target, **shape),
-               "dflash2 (drop)": DFlash2Config.from_target(target, **shape)}
+    configs = {"dflash": KINDS["dflash"].config_class.from_target(target, **shape),
+               "dflash2 (drop)": KINDS["dflash2"].config_class.from_target(target, **shape)}
     configs["dflash2 (inject)"] = configs["dflash2 (drop)"]
     torch.manual_seed(0)
     drafters = {name: build_drafter(c).to(device) for name, c in configs.items()}
@@ -70,7 +69,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         sums = micro_batch_sums(drafter, target, batch, anchors, block_size=args.block_size, gamma=None,
                                 autocast_dtype=torch.float32,
-                                selector_missing="inject" if "inject" in name else "drop")
+                                objective_options={"selector_missing": "inject" if "inject" in name else "drop"})
         backward(sums, dist, 1)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -13,7 +13,7 @@ Shapes: dflash.model.shapes.STEP_SHAPES; the batch: dflash.train.synthetic.synth
 Variants (dflash.train.step_numerics.STEP_VARIANTS; every one starts from the same initial weights, anchors
 and inputs):
   before      eager decoder layers, LM head in checkpointed chunks (losses.weighted_ce_from_hidden)
-  fused-head  eager layers, LM head fused with the loss (dflash.train.head_loss)
+  fused-head  eager layers, LM head fused with the loss (dflash.objective.head_loss)
   compiled    Drafter.compile_layers (regional torch.compile), checkpointed head
   after       compiled layers + fused head: what the trainer runs on a GPU
 For each: median seconds of --reps micro-batches after --warmup (a CUDA sync around each phase), for

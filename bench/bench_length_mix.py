@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dflash.config import TrainConfig  # noqa: E402
+from dflash.kinds import DEFAULT, names  # noqa: E402
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape  # noqa: E402
 from dflash.train.timing import free_memory, sync  # noqa: E402
 from dflash.train.trainer import train  # noqa: E402
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="27b (Qwen3.5-27B's shape) or large (--hidden/--layers/--vocab); "
                    "default: large on a CPU at toy size, 27b on a GPU")
     p.add_argument("--variants", default="padded,packed")
-    p.add_argument("--kind", default="dflash", choices=("dflash", "dflash2"))
+    p.add_argument("--kind", default=DEFAULT, choices=names())
     p.add_argument("--data", type=Path, help="take the lengths from this file (module docstring)")
     p.add_argument("--tokenizer", help="a model directory whose chat template tokenises a chat JSONL --data")
     p.add_argument("--sequences", type=int, default=None, help="sequences of the chat-like mix (default 4000 GPU, 24 CPU)")

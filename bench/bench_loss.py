@@ -7,7 +7,7 @@ The three paths run forward + backward on the same drafter hidden states and the
   full     dflash_loss(head(hidden), ...): [anchors x block, vocab] logits, then the cross-entropy
   chunked  dflash_loss_from_hidden(hidden, head, ...): the head on scored rows only, --chunk rows at a
            time under activation checkpointing (the logits recomputed in the backward)
-  fused    dflash.train.head_loss.fused_weighted_ce: the same rows and chunks, the rows' gradient computed in
+  fused    dflash.objective.head_loss.fused_weighted_ce: the same rows and chunks, the rows' gradient computed in
            the forward (two products a chunk, no recomputation): what the training step runs
 It prints the median step time and, on a GPU, the peak memory above the inputs, with the ratios, and
 checks that the three losses agree.
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from dflash.train.head_loss import fused_weighted_ce
-from dflash.train.losses import LOSS_CHUNK_ROWS, dflash_loss, dflash_loss_from_hidden
+from dflash.objective.head_loss import fused_weighted_ce
+from dflash.objective.losses import LOSS_CHUNK_ROWS, dflash_loss, dflash_loss_from_hidden
 
 
 def measure(fn, device: torch.device, reps: int) -> tuple[float, float, float]:

@@ -42,7 +42,7 @@ from dflash.decode.evaluate import untrained_drafter
 from dflash.decode.proposers import DrafterProposer, Sampler
 from dflash.decode.spec_decode import accept_greedy
 from dflash.decode.target_state import TargetCache
-from dflash.model.dflash2 import config_class
+from dflash.kinds import DEFAULT, named, names
 from dflash.model.target import Target
 from dflash.model.shapes import QWEN35_27B, random_target
 from dflash.train.timing import timed
@@ -61,11 +61,11 @@ PRESETS = {
 }
 
 
-def build(preset: str, device: torch.device, dtype: torch.dtype, kind: str = "dflash"):
+def build(preset: str, device: torch.device, dtype: torch.dtype, kind: str = DEFAULT):
     shape, drafter_shape, layer_ids = PRESETS[preset]
     built = random_target(shape, device, dtype)
     target = Target(built.model, built.tokenizer, layer_ids=layer_ids, mask_token=2)
-    config = config_class(kind).from_target(target, **drafter_shape)  # dflash2: 16-channel groups, r 256, K 16
+    config = named(kind).config_class.from_target(target, **drafter_shape)  # dflash2: 16-channel groups, r 256, K 16
     with torch.device(device):
         drafter = untrained_drafter(target, config)
     return target, DrafterProposer(drafter)
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10, help="timed calls per step")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per step first")
     p.add_argument("--taus", default="3,5,7", help="comma list of tau for the speed-up bound")
-    p.add_argument("--drafter-kind", default="dflash", choices=("dflash", "dflash2"),
+    p.add_argument("--drafter-kind", default=DEFAULT, choices=names(),
                    help="dflash2: the draft step adds the convolutions and the selector's greedy walk")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args(argv)

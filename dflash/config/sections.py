@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
+from dflash import kinds
 from dflash.config.layout import LAYOUTS, Layout
 from dflash.errors import ConfigError
 
@@ -89,8 +90,8 @@ class ModelConfig(Section):
     TITLE: ClassVar[str] = "drafter and blocks"
 
     block_size: int = opt(16, "tokens per block: the anchor + block_size-1 masked positions to predict")
-    drafter_kind: str = opt("dflash", "drafter generation: 'dflash' or 'dflash2' (DFlash plus block-local "
-                            "convolutions and a candidate selector, docs/dflash2.md)", choices=("dflash", "dflash2"))
+    drafter_kind: str = opt(kinds.DEFAULT, "drafter generation: " + "; ".join(f"'{k.name}': {k.summary}" for k in
+                                                                            kinds.KINDS.values()), choices=kinds.names())
     selector_missing: str = opt("drop", "dflash2: a label outside the selector's top-K candidates is left out of "
                                 "the selector loss ('drop', NeMo Automodel's objective) or replaces the K-th "
                                 "candidate ('inject', vLLM speculators')", choices=("drop", "inject"))

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from dflash.errors import DataError
 from dflash.model.drafter import Drafter, DrafterConfig
-from dflash.model.dflash2 import build_drafter
+from dflash.kinds import build_drafter
 from dflash.decode.proposers import (  # noqa: F401  (re-exported: the names callers import from here)
     Draft, DrafterProposer, Proposer, RepeatLastProposer, Sampler, as_proposer,
 )
@@ -198,7 +198,7 @@ def untrained_drafter(target, config: DrafterConfig | None = None, seed: int = 0
     config = config or DrafterConfig.from_target(target, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = build_drafter(config)  # a DFlash2Config gives a DFlash2 drafter
+        drafter = build_drafter(config)  # of the config's kind
     return drafter.to(device=target.device, dtype=target.dtype)
 
 

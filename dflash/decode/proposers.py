@@ -10,9 +10,10 @@ k_norm and RoPE at their fixed positions). A step then runs the drafter over the
 attending to the cached context keys, instead of re-projecting the whole context every block;
 `Drafter.forward` (the training path) is the reference it is tested against.
 
-A DFlash2 drafter (dflash.model.dflash2) runs its block-local convolutions around each sublayer the
-same way, and proposes the selector's walk over its top-K candidates: greedy at temperature 0, sampled
-row by row at temperature > 0 with q the realized rows' distributions (what the engines verify against).
+Each layer's own halves (DrafterLayer.attend, feed_forward) run around the cached attention, so a DFlash2
+drafter's block-local convolutions run the same way. How the block's hidden states become tokens is the
+drafter kind's (dflash.kinds: DFlash's LM-head argmax or sample, DFlash2's selector walk over its top-K
+candidates, with q the realized rows' distributions: what the engines verify against).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from dflash.kinds import kind_of
 from dflash.model.masks import drafter_attention_mask
 from dflash.model.drafter import SLIDING, Drafter, apply_rope, rope_cos_sin
 
@@ -103,28 +105,22 @@ class DrafterContextCache:
         for kind in dict.fromkeys(c.layer_types):
             masks[kind] = None if kind != SLIDING else drafter_attention_mask(
                 torch.tensor([[anchor]], device=x.device), anchor, bs, sliding_window=c.sliding_window).unsqueeze(1)
-        groups = c.num_attention_heads // c.num_key_value_heads
         for i, (layer, kind) in enumerate(zip(d.layers, c.layer_types)):
-            attn, h = layer.self_attn, layer.input_layernorm(x)
-            aconv, mconv = getattr(layer, "attention_conv", None), getattr(layer, "mlp_conv", None)  # DFlash2
-            if aconv is not None:
-                h, delta = aconv.prepare(h)
-            q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), c.num_attention_heads)), *rope)
-            k = apply_rope(attn.k_norm(attn._heads(attn.k_proj(h), c.num_key_value_heads)), *rope)
-            v = attn._heads(attn.v_proj(h), c.num_key_value_heads)
-            if self.keys[i] is not None:
-                k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[kind])            # [1,h,bs,hd]
-            out = attn.o_proj(out.transpose(1, 2).reshape(1, bs, c.num_attention_heads * c.head_dim))
-            x = x + (out if aconv is None else aconv.finish(out, delta))
-            h = layer.post_attention_layernorm(x)
-            if mconv is None:
-                x = x + layer.mlp(h)
-            else:
-                h, delta = mconv.prepare(h)
-                x = x + mconv.finish(layer.mlp(h), delta)
+            x = layer.feed_forward(layer.attend(x, lambda h: self._attention(i, layer.self_attn, h, rope, masks[kind])))
         return d.norm(x)
+
+    def _attention(self, i: int, attn, h: torch.Tensor, rope, mask) -> torch.Tensor:
+        """Layer i's attention of the normed block h [1,bs,H] over the cached context and the block itself."""
+        c, bs = self.drafter.config, h.shape[1]
+        q = apply_rope(attn.q_norm(attn._heads(attn.q_proj(h), c.num_attention_heads)), *rope)
+        k = apply_rope(attn.k_norm(attn._heads(attn.k_proj(h), c.num_key_value_heads)), *rope)
+        v = attn._heads(attn.v_proj(h), c.num_key_value_heads)
+        if self.keys[i] is not None:
+            k, v = torch.cat([self.keys[i], k], dim=2), torch.cat([self.values[i], v], dim=2)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                    # [1,h,bs,hd]
+        return attn.o_proj(out.transpose(1, 2).reshape(1, bs, c.num_attention_heads * c.head_dim))
 
 
 class DrafterProposer:
@@ -135,6 +131,7 @@ class DrafterProposer:
 
     def __init__(self, drafter: Drafter, incremental: bool = True):
         self.drafter = drafter.eval()
+        self.kind = kind_of(drafter)  # how it turns a block's hidden states into tokens
         self.block_size = drafter.config.block_size  # the one it learned its masked positions for
         self.incremental = incremental
         self.begin()
@@ -155,17 +152,7 @@ class DrafterProposer:
         else:
             self._context = new_context if self._context is None else torch.cat([self._context, new_context], 1)
             hidden = self.drafter(self._context, target.embed(block), torch.tensor([[anchor]], device=target.device))
-        if getattr(self.drafter, "kind", "dflash") == "dflash2":
-            anchor_id = torch.tensor([token_ids[-1]], device=target.device)
-            if sampler.temperature > 0:
-                tokens, q = self.drafter.propose_sampled(hidden[:, 1:], anchor_id, target.lm_head, sampler.temperature,
-                                                         sampler.generator, target.dtype)
-                return Draft(tokens.tolist(), q)
-            return Draft(self.drafter.propose(hidden[:, 1:], anchor_id, target.lm_head, target.dtype)[0].tolist())
-        logits = target.lm_head(hidden[0, 1:].to(target.dtype))                               # [bs-1,V]
-        if sampler.temperature <= 0:
-            return Draft(logits.argmax(-1).tolist())
-        return Draft(sampler.pick(logits).tolist(), sampler.probs(logits).cpu())
+        return Draft(*self.kind.propose(self.drafter, hidden, token_ids[-1], target, sampler))
 
 
 class RepeatLastProposer:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from dflash.errors import ConfigError, DataError
+from dflash.kinds import kind_of
 
 _WHAT = {"--data": "a chat JSONL file (one {\"messages\": [...]} conversation per line)",
          "--prompts": "a text file with one user prompt per line"}
@@ -82,7 +83,7 @@ def run_eval(args: argparse.Namespace) -> int:
     results = {"drafter": evaluate(target, drafter, prompts, args.max_new_tokens, **options)}
     for other in args.compare:  # a target tapped at its own layers (they may differ from --drafter's)
         _, compared = load_checked(args.target, other, configs[other], device=target.device)
-        results[_row_name(results, compared.kind, other)] = evaluate(target, compared, prompts,
+        results[_row_name(results, kind_of(compared).name, other)] = evaluate(target, compared, prompts,
                                                                      args.max_new_tokens, **options)
     if args.baselines:
         for name, kind in (("untrained drafter", "untrained"), ("repeat last token", "repeat_last")):

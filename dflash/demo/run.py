@@ -13,6 +13,7 @@ from dflash.data.chat import load_chat_jsonl, prompt_ids, write_jsonl
 from dflash.config import TrainConfig
 from dflash.data.batches import ChatDataset, dataset_items
 from dflash.decode.evaluate import evaluate, evaluate_baseline, format_results
+from dflash.kinds import named
 from dflash.regenerate.local import regenerate
 from dflash.train import layouts
 from dflash.train.monitor import claimed_run
@@ -88,8 +89,7 @@ def _run_demo(config: TrainConfig, run: RunDir, d: distributed.Dist) -> int:
                                                progress=show),
     }
     atomic_write(run.eval_results, json.dumps(results, indent=2, default=str) + "\n")
-    kind = "DFlash2" if config.model.drafter_kind == "dflash2" else "DFlash"
-    print(f"\n{kind} demo: {len(prompts)} held-out prompts, {n} new tokens each, "
+    print(f"\n{named(config.model.drafter_kind).title} demo: {len(prompts)} held-out prompts, {n} new tokens each, "
           f"block size {config.model.block_size}, {result.step} training steps\n" + format_results(results))
     print("acceptance per draft position (trained drafter): "
           + " ".join(f"{a:.2f}" for a in results["trained drafter"]["accept_per_pos"]))

@@ -90,7 +90,7 @@ _ROPE_KEYS = {"rope_theta", "rope_type", "type"}
 def unsupported_keys(data: dict, implemented=()) -> list[str]:
     """Each key of a config.json that this project cannot run as the engines would, with its value and
     what it changes (an empty list: the drafter computes what the engines compute). `implemented`: the
-    dflash_config keys the drafter kind read implements (DFlash2's, dflash.model.dflash2.DFLASH2_KEYS)."""
+    dflash_config keys the drafter kind read implements beyond DFlash's (dflash.kinds.kind.DrafterKind.own_keys)."""
     problems = []
     for key, value in data.items():
         if key in _READ or key in _INERT:

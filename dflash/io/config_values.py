@@ -1,5 +1,5 @@
 """Typed values of a drafter's config.json: each one converted, or a DrafterError naming the key and the
-value it must be (dflash.io.drafter_dir and dflash.io.dflash2_layout read every key through these)."""
+value it must be (dflash.io.drafter_dir and each drafter kind, dflash.kinds, read every key through these)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
     DIR/config.json          Qwen3 keys + DFlash keys (below); AutoConfig reads it as a Qwen3Config
     DIR/model.safetensors    the drafter's tensors, bf16 by default, names without a "model." prefix
                              (a sharded model.safetensors.index.json + shards is read as well)
-    DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/io/remote_code.py) that config.json's
+    DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/kinds/remote_dflash.py) that config.json's
                              auto_map names: AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it
-                             (a DFlash2 drafter: modeling_dflash2.py and its DFlash2DraftModel, dflash.io.dflash2_layout)
+                             (each drafter kind names its own: a DFlash2 drafter's is modeling_dflash2.py and its
+                             DFlash2DraftModel, dflash.kinds.dflash2_kind)
 
 config.json, as `reference_config` writes it (one key per DrafterConfig field, except the two that nest):
 
@@ -51,10 +52,9 @@ import torch
 from common.fsutil import atomic_write
 
 from dflash.errors import DrafterError
-from dflash.io import dflash2_layout as dflash2
 from dflash.io.config_keys import DFLASH_KEYS, unsupported_keys
 from dflash.io.config_values import as_float as _float, as_int as _int, as_int_list as _int_list, as_mapping as _mapping
-from dflash.model.dflash2 import DFLASH2_KEYS, DFlash2Config, build_drafter
+from dflash.kinds import DFLASH, KINDS, build_drafter, by_architecture, kind_of
 from dflash.model.drafter import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig
 # the file names and dtype tables live beside the tensor checks; other modules read them from here too
 from dflash.io.drafter_tensors import CONFIG_NAME, DTYPE_NAMES, DTYPES, WEIGHTS_NAME, expected_tensors  # noqa: F401
@@ -64,25 +64,22 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 MODEL_TYPE = "qwen3"
-ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE = DFLASH.architecture  # the reference kind's; each kind names its own (dflash.kinds)
 LEGACY_FORMAT = "dflash-drafter/1"  # the project's own layout before this one
-
-MODEL_FILE = "modeling_dflash.py"  # dflash/io/remote_code.py, for AutoModel(..., trust_remote_code=True)
-AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 # --- writing -----------------------------------------------------------------------------------------
 def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
     """config.json of `config` in the reference layout (keys sorted when written)."""
-    sliding, second = SLIDING in config.layer_types, dflash2.is_dflash2(config)
+    sliding, kind = SLIDING in config.layer_types, kind_of(config)
     data = {
-        "architectures": [dflash2.ARCHITECTURE if second else ARCHITECTURE],
+        "architectures": [kind.architecture],
         "model_type": MODEL_TYPE,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "auto_map": dict(dflash2.AUTO_MAP if second else AUTO_MAP),
+        "auto_map": kind.auto_map,
         "block_size": config.block_size,
         "dflash_config": {"target_layer_ids": list(config.target_layer_ids), "mask_token_id": config.mask_token_id,
-                          **(dflash2.dflash_config_keys(config) if second else {})},
+                          **kind.write_keys(config)},
         "dtype": DTYPE_NAMES[dtype],
         "head_dim": config.head_dim,
         "hidden_act": "silu",
@@ -110,13 +107,6 @@ def reference_config(config: DrafterConfig, dtype: torch.dtype = torch.bfloat16)
     return data
 
 
-def remote_code_source() -> str:
-    """modeling_dflash.py: the self-contained model class config.json's auto_map names."""
-    from dflash.io import remote_code
-
-    return Path(remote_code.__file__).read_text()
-
-
 def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.bfloat16) -> Path:
     """Write `drafter` to `directory` in the reference layout, its weights cast to `dtype` (None: as
     they are, e.g. float32 for a training checkpoint). Each file appears whole or not at all; the
@@ -129,10 +119,8 @@ def save_drafter(drafter: Drafter, directory, dtype: torch.dtype | None = torch.
         raise DrafterError(f"cannot save a drafter as {dtype}; use one of {', '.join(DTYPE_NAMES.values())}")
     state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in drafter.state_dict().items()}
     atomic_write(directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
-    if dflash2.is_dflash2(drafter.config):
-        atomic_write(directory / dflash2.MODEL_FILE, dflash2.remote_code_source())
-    else:
-        atomic_write(directory / MODEL_FILE, remote_code_source())
+    kind = kind_of(drafter.config)
+    atomic_write(directory / kind.model_file, kind.remote_code_source())  # the class config.json's auto_map names
     config = json.dumps(reference_config(drafter.config, dtype), indent=2, sort_keys=True) + "\n"
     atomic_write(directory / CONFIG_NAME, config)
     return directory
@@ -218,13 +206,14 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
             f"\"model_type\": \"{MODEL_TYPE}\" and \"architectures\": [\"{ARCHITECTURE}\"]. Pass the drafter's "
             "directory, not the target's")
     architectures = data.get("architectures")
-    second = isinstance(architectures, list) and dflash2.ARCHITECTURE in architectures
-    if not isinstance(architectures, list) or not (second or ARCHITECTURE in architectures):
+    kind = by_architecture(architectures) if isinstance(architectures, list) else None
+    if kind is None:
         named = ", ".join(map(str, architectures)) if isinstance(architectures, list) else repr(architectures)
         raise DrafterError(
             f"{where} has architectures {architectures!r}, not [\"{ARCHITECTURE}\"]: vLLM picks the "
             f"drafter model by this name, and other DFlash variants ({named}) "
-            f"compute something else. This project reads DFlashDraftModel and {dflash2.ARCHITECTURE} drafters only")
+            f"compute something else. This project reads {' and '.join(k.architecture for k in KINDS.values())} "
+            "drafters only")
     dflash = data.get("dflash_config")
     if not isinstance(dflash, dict):
         raise DrafterError(
@@ -237,7 +226,7 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
     if missing:
         raise DrafterError(f"{where} lacks {', '.join(missing)} (dflash_config holds target_layer_ids and "
                            "mask_token_id; the rest are top-level keys); add them from the drafter's training config")
-    unsupported = unsupported_keys(data, implemented=DFLASH2_KEYS if second else ())
+    unsupported = unsupported_keys(data, implemented=kind.own_keys)
     if unsupported:
         raise DrafterError(f"{where} uses {'; '.join(unsupported)}. This project's drafter does not implement "
                            "that, so it would compute other outputs than the engines do; it reads DFlashDraftModel "
@@ -282,10 +271,10 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
         layer_types=layer_types, sliding_window=window,
         initializer_range=_float(given("initializer_range", 0.02), "initializer_range", where, positive=True),
         target_fingerprint=str(data.get("target_fingerprint") or ""),
-        **(dflash2.parse_keys(dflash, where) if second else {}),
+        **kind.read_keys(dflash, where),
     )
     try:  # DrafterConfig's own checks: head counts, layer ids, mask id, layer_types (each value is typed above)
-        return (DFlash2Config if second else DrafterConfig)(**values)
+        return kind.config_class(**values)
     except ValueError as exc:
         raise DrafterError(f"{where}: {exc}. Fix that key in {where.name}, or restore the {CONFIG_NAME} that came "
                            "with the drafter's weights") from exc

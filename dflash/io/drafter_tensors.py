@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import DrafterError
-from dflash.model.dflash2 import build_drafter
+from dflash.kinds import build_drafter
 from dflash.model.drafter import DrafterConfig
 
 CONFIG_NAME = "config.json"

@@ -26,12 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.errors import ConfigError
-from dflash.model.drafter import FULL, SLIDING, Drafter, DrafterConfig, DrafterLayer
+from dflash.model.drafter import Drafter, DrafterConfig, DrafterLayer
 from dflash.model.selector import CandidateSelector, unary_logits
-
-KINDS = ("dflash", "dflash2")
-
 
 @dataclass(kw_only=True)
 class DFlash2Config(DrafterConfig):
@@ -113,9 +109,11 @@ class DFlash2Layer(DrafterLayer):
         self.attention_conv = BlockConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
         self.mlp_conv = BlockConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
 
-    def forward(self, x, ctx, rope_q, rope_kv, mask) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, attention) -> torch.Tensor:
         h, delta = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_q, rope_kv, mask), delta)
+        return x + self.attention_conv.finish(attention(h), delta)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(h), delta)
 
@@ -125,7 +123,6 @@ class DFlash2Drafter(Drafter):
     final norm); `unary` and `propose` turn hidden states into the engines' scores and proposals."""
 
     layer_class = DFlash2Layer
-    kind = "dflash2"
 
     def __init__(self, config: DFlash2Config, attention: str = "sdpa"):
         if not isinstance(config, DFlash2Config):
@@ -166,32 +163,3 @@ def dflash2_extra_params(hidden: int, vocab: int, layers: int, taps: int = 2, gr
     (two [V, rank] codebooks, hidden_projection [rank, H])."""
     conv = 2 * taps * hidden + 2 * taps * (hidden // group) * hidden
     return layers * 2 * conv + 2 * vocab * rank + rank * hidden
-
-
-def config_class(kind: str) -> type[DrafterConfig]:
-    return {"dflash": DrafterConfig, "dflash2": DFlash2Config}[kind]
-
-
-def config_for_target(kind: str, target, layers: int, block_size: int, sliding_window: int = 0,
-                      **fields) -> DrafterConfig:
-    """A new drafter config of `kind` shaped like `target` (DrafterConfig.from_target): `layers` layers,
-    all but the last sliding_attention when `sliding_window` > 0; or a ConfigError naming what misfits (a
-    DFlash2 drafter's 16-channel convolution groups, say)."""
-    types = [SLIDING] * (layers - 1) + [FULL] if sliding_window else []
-    try:
-        return config_class(kind).from_target(target, num_hidden_layers=layers, block_size=block_size,
-                                              layer_types=types, sliding_window=sliding_window or None, **fields)
-    except ValueError as exc:
-        raise ConfigError(f"--drafter-kind {kind} cannot be shaped like this target: {exc}") from None
-
-
-def check_kind(config: DrafterConfig, kind: str, where: str) -> None:
-    """A ConfigError unless `config` (an existing drafter's, at `where`) is of drafter kind `kind`."""
-    found = "dflash2" if isinstance(config, DFlash2Config) else "dflash"
-    if found != kind:
-        raise ConfigError(f"{where} is a {found} drafter and --drafter-kind is {kind}; pass --drafter-kind {found}.")
-
-
-def build_drafter(config: DrafterConfig, attention: str = "sdpa") -> Drafter:
-    """The drafter module of `config`'s kind (a DFlash2Config builds a DFlash2Drafter)."""
-    return DFlash2Drafter(config, attention) if isinstance(config, DFlash2Config) else Drafter(config, attention)

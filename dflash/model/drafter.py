@@ -277,7 +277,15 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(c)
 
     def forward(self, x, ctx, rope_q, rope_kv, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
+        return self.feed_forward(self.attend(x, lambda h: self.self_attn(h, ctx, rope_q, rope_kv, mask)))
+
+    def attend(self, x: torch.Tensor, attention) -> torch.Tensor:
+        """The attention half: x + attention(input_layernorm(x)). `attention` maps the normed block to the
+        attention's output; decoding passes one that reads cached context keys (dflash.decode.proposers)."""
+        return x + attention(self.input_layernorm(x))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half: x + mlp(post_attention_layernorm(x))."""
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -285,7 +293,6 @@ class Drafter(nn.Module):
     """fc + RMSNorm over the tapped target states, `num_hidden_layers` DrafterLayers, a final RMSNorm."""
 
     layer_class = DrafterLayer  # a drafter kind with other layers (dflash.model.dflash2) names its own
-    kind = "dflash"
 
     def __init__(self, config: DrafterConfig, attention: str = "sdpa"):
         super().__init__()

@@ -310,7 +310,7 @@ class Target:
     @property
     def head_weight(self) -> torch.Tensor | None:
         """The LM head's [V,H] weight when the head is a bias-free Linear (every Qwen3 and Qwen3.5), else
-        None: the training step fuses the head with its loss (dflash.head_loss) only through this weight."""
+        None: the training step fuses the head with its loss (dflash.objective.head_loss) only through this weight."""
         plain = isinstance(self._head, torch.nn.Linear) and self._head.bias is None
         return self._head.weight if plain else None
 

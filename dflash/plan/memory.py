@@ -6,7 +6,7 @@ target's weight bytes (its parameters x the precision's bytes; an FP8 target: 1 
 fp32 4), W = world size. Per rank: B sequences of T tokens, N anchors per sequence, block size bs; Q = N x bs
 block rows per sequence, R = B x Q block rows, H the width, L the drafter's layers, V the vocabulary.
 
-Terms (bytes), from the code (dflash.train.step, dflash.model.drafter, dflash.train.head_loss):
+Terms (bytes), from the code (dflash.train.step, dflash.model.drafter, dflash.objective.head_loss):
   target_weights      Wt (replicate, shard, offload); a pipeline stage rank: its layers' bytes (TargetShape.layer_bytes)
                       (+ the embedding on stage 0); a pipeline drafter rank: embedding + LM head x e
   drafter_weights     4P fp32 master weights (Drafter is built in fp32; autocast computes in bf16);
@@ -49,7 +49,7 @@ from dflash.plan.sizes import DrafterShape, TargetShape
 
 GB = 1e9
 PRECISIONS = {"bf16": 2, "fp32": 4}
-LOSS_CHUNK_ROWS = 2048  # dflash.train.losses.LOSS_CHUNK_ROWS (not imported: that module pulls torch ops)
+LOSS_CHUNK_ROWS = 2048  # dflash.objective.losses.LOSS_CHUNK_ROWS (not imported: that module pulls torch ops)
 
 # Bytes per element of the activation terms above, bf16 autocast, compiled drafter layers, flex attention,
 # fused LM head (the GPU defaults). Fitted (non-negative least squares, bench/bench_plan.py) on the H200,

@@ -22,6 +22,7 @@ import functools
 import torch
 
 from dflash.errors import ConfigError, TargetError
+from dflash.kinds import DEFAULT
 
 
 @dataclass(frozen=True)
@@ -258,11 +259,11 @@ def target_shape(spec: str, layers: int | None = None, precision: str = "auto") 
 
 
 def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, tapped: int | None = None,
-                  sliding_window: int = 0, kind: str = "dflash") -> DrafterShape:
+                  sliding_window: int = 0, kind: str = DEFAULT) -> DrafterShape:
     """The drafter dflash-train would build for `target` (DrafterConfig.from_target's shape: the target's
-    attention shape, `tapped` layers, by default min(5, layers - 3) as Target taps them), counted; `kind`
-    dflash2 counts a DFlash2 drafter (its convolutions and candidate selector)."""
-    from dflash.model.dflash2 import build_drafter, config_class
+    attention shape, `tapped` layers, by default min(5, layers - 3) as Target taps them), counted: the
+    model of drafter kind `kind` built on the meta device (a DFlash2 drafter's convolutions and selector too)."""
+    from dflash.kinds import named
     from dflash.model.drafter import FULL, SLIDING
     from dflash.model.target import default_layer_ids
 
@@ -271,13 +272,14 @@ def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, ta
         raise ConfigError(f"drafter layers {layers}, block size {block_size}, tapped layers {n}: need layers >= 1, "
                           f"block size >= 2 and 1 to {target.layers} tapped layers")
     ids = default_layer_ids(target.layers, n) if n <= max(1, target.layers - 3) else list(range(n))
-    config = config_class(kind)(hidden_size=target.hidden, num_hidden_layers=layers, num_attention_heads=target.heads,
-                           num_key_value_heads=target.kv_heads, head_dim=target.head_dim,
-                           intermediate_size=target.intermediate, vocab_size=target.vocab, block_size=block_size,
-                           num_target_layers=target.layers, target_layer_ids=ids, mask_token_id=target.vocab - 1,
-                           layer_types=[SLIDING] * (layers - 1) + [FULL] if sliding_window else [],
-                           sliding_window=sliding_window or None)
+    drafter_kind = named(kind)
+    config = drafter_kind.config_class(
+        hidden_size=target.hidden, num_hidden_layers=layers, num_attention_heads=target.heads,
+        num_key_value_heads=target.kv_heads, head_dim=target.head_dim, intermediate_size=target.intermediate,
+        vocab_size=target.vocab, block_size=block_size, num_target_layers=target.layers, target_layer_ids=ids,
+        mask_token_id=target.vocab - 1, layer_types=[SLIDING] * (layers - 1) + [FULL] if sliding_window else [],
+        sliding_window=sliding_window or None)
     with torch.device("meta"):
-        drafter = build_drafter(config)
+        drafter = drafter_kind.build(config)
     return DrafterShape(layers=layers, hidden=target.hidden, tapped=len(ids), block_size=block_size,
                         params=_meta_params(drafter), unit_params=_meta_params(drafter.layers[0]), config=config)

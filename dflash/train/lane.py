@@ -51,7 +51,7 @@ class Lane:
     def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
                  eval_items: list[dict] | None = None):
         from dflash.io.drafter_dir import load_drafter
-        from dflash.model.dflash2 import build_drafter
+        from dflash.kinds import kind_of
 
         self.config, self.target, self.items, self.d = config, target, items, d
         self.run_dir = RunDir(config.io.out)
@@ -61,7 +61,8 @@ class Lane:
         model, optim = config.model, config.optim
         torch.manual_seed(optim.seed)  # the same initial drafter on every rank and on every rerun
         attention = attention_impl(config, d.device, self.drafter_config.head_dim)
-        self.drafter = build_drafter(self.drafter_config, attention=attention).to(d.device)
+        self.kind = kind_of(self.drafter_config)
+        self.drafter = self.kind.build(self.drafter_config, attention=attention).to(d.device)
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
         self.layout = config.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
@@ -169,7 +170,7 @@ class Lane:
             with self.model.no_sync() if not sync and isinstance(self.model, DDP) else nullcontext():
                 sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
                                         gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context,
-                                        selector_missing=model.selector_missing,
+                                        objective_options=self.kind.objective_options(model),
                                         n_anchors=self.config.optim.pack_anchors if self.packed else None)
                 backward(sums, self.d, self.config.optim.grad_accum)
         except torch.OutOfMemoryError as exc:

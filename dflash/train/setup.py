@@ -85,14 +85,14 @@ def drafter_config(config: TrainConfig, target):
     like the target's attention with --drafter-layers and --sliding-window."""
     from dflash.io.drafter_dir import read_drafter_config
     from dflash.io.fit import check_fits_target
-    from dflash.model.dflash2 import check_kind, config_for_target
+    from dflash.kinds import check_kind, named
 
     from dflash.io.engines import check_servable
 
     check_servable(target.layer_ids, target.num_layers, target.tokenizer, target.mask_token_id)
     opts = config.model
     if not opts.init_drafter:
-        return config_for_target(opts.drafter_kind, target, opts.drafter_layers, opts.block_size, opts.sliding_window)
+        return named(opts.drafter_kind).new_config(target, opts.drafter_layers, opts.block_size, opts.sliding_window)
     where = f"--init-drafter {opts.init_drafter}"
     init = read_drafter_config(opts.init_drafter)
     check_kind(init, opts.drafter_kind, where)

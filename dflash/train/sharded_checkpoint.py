@@ -58,7 +58,7 @@ def full_drafter(drafter: torch.nn.Module, rank: int, group=None):
     (None elsewhere); a collective: every rank that holds a shard calls it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from dflash.model.dflash2 import build_drafter
+    from dflash.kinds import build_drafter
 
     state = get_model_state_dict(drafter, options=_options(full=True))
     if rank != 0:

@@ -2,18 +2,18 @@
 
 For a micro-batch of sequences [B,T] with loss mask [B,T] (this rank's share of a global micro-batch):
 
-    blocks    build_blocks(input_ids, loss_mask * attention_mask, anchors)      (see dflash.blocks)
+    blocks    build_blocks(input_ids, loss_mask * attention_mask, anchors)      (see dflash.train.blocks)
     context   target.context(input_ids)                                  [B, T, k*H]   (no grad)
     embeds    target.embed(blocks)                                       [B, N*bs, H]  (no grad)
     hidden    drafter(context, embeds, anchors, ...)                     [B, N*bs, H]
     loss sum  target.lm_head on the scored positions fused with the CE at block positions 1..bs-1,
-              weighted exp(-(k-1)/gamma), summed (not averaged): dflash.head_loss (one product for the
+              weighted exp(-(k-1)/gamma), summed (not averaged): dflash.objective.head_loss (one product for the
               logits, one for the rows' gradient, a chunk of rows at a time)
 
 `micro_batch_sums` returns sums, so micro-batches and ranks add up exactly; `backward` divides by the
 loss weight summed over ALL ranks (one all-reduce), so N processes compute the gradient one process
 would compute on the whole global micro-batch. The statistics stay on the device until the trainer
-logs them; the one value read back in a step is the count of scored rows (dflash.head_loss gathers them).
+logs them; the one value read back in a step is the count of scored rows (dflash.objective.head_loss gathers them).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from collections.abc import Callable
 import torch
 
 from dflash import distributed
+from dflash.kinds import kind_of
+from dflash.objective.losses import LOSS_CHUNK_ROWS
 from dflash.train.blocks import build_blocks
-from dflash.train.head_loss import fused_weighted_ce
-from dflash.train.losses import LOSS_CHUNK_ROWS, weighted_ce_from_hidden
-from dflash.train.selector_loss import dflash2_sums
 
 
 @dataclass
@@ -94,12 +93,12 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
                      block_size: int, gamma: float | None, autocast_dtype: torch.dtype,
                      mark: Callable[[str], None] | None = None, keep_correct: bool = False,
                      fused_head: bool = True, context: torch.Tensor | None = None,
-                     selector_missing: str = "drop", n_anchors: int | None = None) -> StepSums:
+                     objective_options: dict | None = None, n_anchors: int | None = None) -> StepSums:
     """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
 
     batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate), or packed rows
     with their "segments" too (dflash.data.packs.collate_pack: the target, the blocks and the drafter keep
-    each sequence to itself); anchors: one sorted [n_b] position tensor per row (dflash.blocks.sample_anchors,
+    each sequence to itself); anchors: one sorted [n_b] position tensor per row (dflash.train.blocks.sample_anchors,
     or sample_pack_anchors), `n_anchors` the fixed anchor count of packed rows. `drafter` may be the DDP
     wrapper. `mark(phase)` is called after "target forward" and after "drafter forward" (a benchmark
     synchronises and reads its clock there; training passes None). keep_correct also returns the
@@ -107,8 +106,8 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
     head that is no bias-free Linear) takes losses.weighted_ce_from_hidden instead: the same loss with
     checkpointed chunks (bench/bench_drafter.py's "before"). `context` is target.context(input_ids,
     attention_mask) when the caller already ran it (several drafters on one target pass: dflash.train.multi).
-    A DFlash2 drafter's loss adds its selector term (dflash.train.selector_loss; `selector_missing` picks
-    the published variant).
+    The loss is the drafter kind's objective (dflash.kinds); `objective_options` are the model options it
+    takes (DrafterKind.objective_options: DFlash2's selector_missing picks the published variant).
     """
     ids, loss_mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     segments = batch.get("segments")
@@ -130,14 +129,8 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
         hidden = hidden.view(B, N, block_size, -1)
         head_weight = target.head_weight if fused_head else None
         inner = getattr(drafter, "module", drafter)  # under DDP
-        if getattr(inner, "kind", "dflash") == "dflash2":
-            loss_sum, weight, correct = dflash2_sums(inner, hidden, target.lm_head, blocks.block_ids, blocks.labels,
-                                                     blocks.label_valid, gamma, missing=selector_missing)
-        elif head_weight is not None:
-            loss_sum, weight, correct = fused_weighted_ce(hidden, head_weight, blocks.labels, blocks.label_valid, gamma)
-        else:
-            loss_sum, weight, correct = weighted_ce_from_hidden(hidden, target.lm_head, blocks.labels,
-                                                                blocks.label_valid, gamma)
+        loss_sum, weight, correct = kind_of(inner).objective(inner, hidden, target.lm_head, head_weight, blocks, gamma,
+                                                             **(objective_options or {}))
     if mark:
         mark("drafter forward")
     accepted, reached = acceptance_sums(correct, blocks.label_valid)

@@ -10,8 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "dflash"
 # lowest first; a sub-package may import its own layer and any layer before it, never one after it
-LAYERS = [{"errors", "distributed"}, {"config"}, {"data", "model"}, {"io"}, {"regenerate"}, {"decode", "plan"},
-          {"train"}, {"demo", "doctor"}, {"cli", "__main__", "launcher"}]
+LAYERS = [{"errors", "distributed"}, {"data", "model", "objective"}, {"io", "kinds"}, {"config"}, {"regenerate"},
+          {"decode", "plan"}, {"train"}, {"demo", "doctor"}, {"cli", "__main__", "launcher"}]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
 
@@ -86,3 +86,64 @@ def test_module_names_are_unique_inside_dflash():
     repeated = {name: sorted(str(p.relative_to(ROOT)) for p in MODULES if p.name == name)
                 for name, n in names.items() if n > 1}
     assert not repeated, f"module names repeated inside dflash/: {repeated}"
+
+
+def _kind_uses(path: Path, names: set[str]) -> list[str]:
+    """Where `path` tells drafter kinds apart by name: a kind name compared or keying a dict (as above), given
+    as a choice, or bound to a name, parameter or keyword that says "kind"."""
+    found = _compared_names(path, names)
+    for node in ast.walk(ast.parse(path.read_text())):
+        bound = []
+        if isinstance(node, ast.keyword) and node.arg and ("kind" in node.arg or node.arg == "choices"):
+            bound = [node.value]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any("kind" in ast.unparse(t).lower() for t in targets) and node.value is not None:
+                bound = [node.value]
+        elif isinstance(node, ast.arguments):
+            params = [*node.posonlyargs, *node.args]
+            bound = [d for p, d in zip(params[len(params) - len(node.defaults):], node.defaults) if "kind" in p.arg]
+            bound += [d for p, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None and "kind" in p.arg]
+        for value in bound:
+            items = value.elts if isinstance(value, (ast.Tuple, ast.List, ast.Set)) else [value]
+            found += [f"line {value.lineno}: {i.value!r}" for i in items if isinstance(i, ast.Constant) and i.value in names]
+    return found
+
+
+def test_drafter_kind_names_appear_only_in_their_own_modules_and_the_registry():
+    """Everywhere else asks a DrafterKind (dflash.kinds): a new kind is one module and one registry line."""
+    from dflash.kinds import KINDS
+
+    home = ROOT / "kinds"
+    offenders = {str(p.relative_to(ROOT)): hits for p in MODULES if home not in p.parents
+                 and (hits := _kind_uses(p, set(KINDS)))}
+    assert not offenders, f"drafter kind names told apart outside dflash/kinds/: {offenders}"
+
+
+def test_the_kind_check_finds_each_way_of_naming_a_kind(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f(c, kind="dflash2"):\n    drafter_kind = "dflash"\n    x = {"dflash": 1}\n'
+                     '    opt(choices=("dflash", "dflash2"))\n    g(kind="dflash2")\n    return c.kind == "dflash2"\n'
+                     'logging.getLogger("dflash")\n')
+    assert len(_kind_uses(probe, {"dflash", "dflash2"})) == 7
+
+
+def test_kind_classes_are_asked_for_only_in_their_own_modules():
+    """No isinstance or type test on a kind's own config or model class (not the base every kind shares) outside
+    dflash/model (where each class checks its own) and dflash/kinds: the rest asks dflash.kinds.kind_of."""
+    from dflash.kinds import KINDS
+
+    classes = set()
+    for role in ("config_class", "model_class"):
+        own = [getattr(k, role) for k in KINDS.values()]
+        classes |= {c.__name__ for c in own if not all(issubclass(o, c) for o in own)}  # not every kind's base
+    offenders = {}
+    for path in MODULES:
+        if (ROOT / "kinds") in path.parents or (ROOT / "model") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("isinstance", "issubclass", "type"):
+                named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & classes
+                if named:
+                    offenders.setdefault(str(path.relative_to(ROOT)), []).append(f"line {node.lineno}: {sorted(named)}")
+    assert not offenders, f"kind classes tested outside their modules: {offenders}"

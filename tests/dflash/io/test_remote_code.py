@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.io.drafter_dir import MODEL_FILE, load_drafter, save_drafter
+from dflash.io.drafter_dir import load_drafter, save_drafter
+from dflash.kinds import DFLASH
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.target import Target
 from tests.support.dflash_tiny import save_tiny_target
@@ -35,7 +36,7 @@ def auto_model(directory):
 def test_automodel_with_remote_code_computes_what_the_drafter_computes(tmp_path, sliding):
     torch.manual_seed(0)
     save_drafter(Drafter(config(sliding)), tmp_path / "drafter")
-    assert (tmp_path / "drafter" / MODEL_FILE).is_file()
+    assert (tmp_path / "drafter" / DFLASH.model_file).is_file()
     model = auto_model(tmp_path / "drafter")
     assert type(model).__name__ == "DFlashDraftModel" and type(model).__module__.endswith("modeling_dflash")
     assert model.target_layer_ids == [1, 2, 3] and model.mask_token_id == 3 and model.block_size == BS

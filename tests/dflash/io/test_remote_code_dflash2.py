@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from dflash.io import dflash2_layout as dflash2
-from dflash.io.drafter_dir import MODEL_FILE, load_drafter, save_drafter
+from dflash.io.drafter_dir import load_drafter, save_drafter
+from dflash.kinds import DFLASH, DFLASH2
 from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.model.masks import drafter_attention_mask
 from dflash.model.target import Target
@@ -64,7 +64,7 @@ def auto_model(directory):
 @pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding"])
 def test_automodel_with_remote_code_computes_what_the_dflash2_drafter_computes(tmp_path, sliding):
     directory = save_drafter(trained_like(DFlash2Drafter(config(sliding))), tmp_path / "drafter")
-    assert (directory / dflash2.MODEL_FILE).is_file() and not (directory / MODEL_FILE).exists()
+    assert (directory / DFLASH2.model_file).is_file() and not (directory / DFLASH.model_file).exists()
     assert json.loads((directory / "config.json").read_text())["auto_map"] == {
         "AutoModel": "modeling_dflash2.DFlash2DraftModel"}
     model = auto_model(directory)

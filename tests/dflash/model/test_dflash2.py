@@ -8,7 +8,8 @@ import torch
 
 from dflash.errors import DrafterError
 from dflash.io.drafter_dir import load_drafter, read_drafter_config, save_drafter
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter, block_conv, build_drafter
+from dflash.kinds import build_drafter
+from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter, block_conv
 from dflash.model.drafter import Drafter, DrafterConfig
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -99,16 +100,16 @@ def test_a_dflash_drafter_keeps_its_layout(tmp_path):
 
 def test_a_dflash2_shape_that_misfits_the_target_is_a_config_error(tmp_path):
     from dflash.errors import ConfigError
-    from dflash.model.dflash2 import check_kind, config_for_target
+    from dflash.kinds import check_kind, named
     from dflash.model.target import Target
     from tests.support.dflash_tiny import save_tiny_target
 
     target = Target.load(save_tiny_target(tmp_path / "t", "qwen3"))
-    made = config_for_target("dflash2", target, 3, 4, sliding_window=2)
+    made = named("dflash2").new_config(target, 3, 4, sliding_window=2)
     assert made.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert (made.conv_group_size, made.conv_kernel_size, made.selector_rank, made.selector_top_k) == (16, 2, 256, 16)
     with pytest.raises(ConfigError, match="conv_group_size 5 must divide hidden_size 32"):
-        config_for_target("dflash2", target, 2, 4, conv_group_size=5)
+        named("dflash2").new_config(target, 2, 4, conv_group_size=5)
     check_kind(made, "dflash2", "here")
     with pytest.raises(ConfigError, match="here is a dflash2 drafter and --drafter-kind is dflash"):
         check_kind(made, "dflash", "here")

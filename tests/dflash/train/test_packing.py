@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dflash.data.batches import collate
 from dflash.data.packs import PackOrder, collate_pack, make_packs, per_sequence
-from dflash.model.dflash2 import build_drafter, config_for_target
+from dflash.kinds import build_drafter, named
 from dflash.model.segments import Segments
 from dflash.model.target import Target
 from dflash.train.blocks import build_blocks, sample_pack_anchors
@@ -137,7 +137,7 @@ def test_a_pack_gives_the_loss_and_gradients_of_the_padded_batch(tiny, kind, thr
     items, T = _sequences(), 96
     anchors = _anchors(items)
     torch.manual_seed(0)
-    drafter = build_drafter(config_for_target(kind, tiny, 2, BS, 0), attention="sdpa")
+    drafter = build_drafter(named(kind).new_config(tiny, 2, BS, 0), attention="sdpa")
     padded = collate(items, pad_id=0)
     ref, ref_grads = _run(drafter, tiny, padded, anchors)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.train.losses import block_weights
+from dflash.objective.losses import block_weights
 
 SELECTOR_MISSING = ("drop", "inject")
 SELECTOR_ALPHA = 1.0
@@ -63,7 +63,7 @@ def dflash2_sums(drafter, hidden: torch.Tensor, head, block_ids: torch.Tensor, l
                  alpha: float = SELECTOR_ALPHA, chunk_rows: int = CHUNK_ROWS):
     """hidden [B,N,bs,H] (the DFlash2Drafter's output), head: the target's LM head, block_ids [B,N,bs],
     labels/valid [B,N,bs-1] -> (loss_sum [] with a graph, weight [], correct [B,N,bs-1] bool), the
-    shapes of dflash.train.head_loss.fused_weighted_ce."""
+    shapes of dflash.objective.head_loss.fused_weighted_ce."""
     if missing not in SELECTOR_MISSING:
         raise ValueError(f"missing must be one of {', '.join(SELECTOR_MISSING)}, not {missing!r}")
     H = hidden.shape[-1]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash.train.head_loss import fused_weighted_ce
-from dflash.train.losses import default_gamma, dflash_loss, weighted_ce_from_hidden
+from dflash.objective.head_loss import fused_weighted_ce
+from dflash.objective.losses import default_gamma, dflash_loss, weighted_ce_from_hidden
 
 
 def _case(seed: int, B=2, N=3, bs=5, H=16, V=50, dtype=torch.float64, all_invalid=False):

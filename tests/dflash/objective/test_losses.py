@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.train.losses import (
+from dflash.objective.losses import (
     default_gamma, dflash_loss, dflash_loss_from_hidden, position_weights, weighted_ce_from_hidden,
 )
 

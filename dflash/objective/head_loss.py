@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.train.losses import LOSS_CHUNK_ROWS, block_weights
+from dflash.objective.losses import LOSS_CHUNK_ROWS, block_weights
 
 _compiled = None
 
