@@ -213,6 +213,7 @@ class Case:
     untouched: bool = False  # every file already in tmp/out keeps its content (train.log too)
     xfail: str | None = None  # a fix that lives in a file this suite's changes could not touch
     before_load: bool = False  # every one of `words` is printed before the target's weights load
+    slow: bool = False  # runs in make test's slow tier only (the built-in demo)
 
 
 def train(**extra):
@@ -248,6 +249,31 @@ def evaluate_run(*flags: str, data: str | None = None, prompts: str | None = Non
         return ["--target", str(w["target"]), "--drafter", drafter.format(t=t) if drafter else str(w["run"] / "drafter"),
                 *source, "--limit", "2", "--max-new-tokens", "4", "--device", "cpu", *flags]
     return argv
+
+
+def drafters_of_kinds(*expected: tuple[str | None, str]):
+    """A check that tmp/out holds, for each (drafter name or None for the run's own, kind), a checkpoint with its
+    DCP shards and an exported drafter of that kind."""
+    def check(t: Path) -> None:
+        from dflash.config.drafters import drafter_out
+        from dflash.io.drafter_dir import load_drafter
+        from dflash.kinds import kind_of
+        from dflash.train import checkpoint as ckpt
+
+        for name, kind in expected:
+            run = RunDir(drafter_out(t / "out", name) if name else t / "out")
+            assert any((ckpt.latest_checkpoint(run.checkpoints) / "dcp").glob("*.distcp")), run.root
+            assert kind_of(load_drafter(run.drafter)).name == kind, run.root
+    return check
+
+
+def two_kinds_in_one_file(w, t: Path) -> None:
+    (t / "sweep.toml").write_text('[[drafters]]\nname = "one"\n\n[[drafters]]\nname = "two"\ndrafter-kind = "dflash2"\n')
+
+
+def two_runs_of_one_kind(w, t: Path) -> None:
+    shutil.copytree(w["run"] / "drafter", t / "a" / "drafter")
+    shutil.copytree(w["run"] / "drafter", t / "b" / "drafter")
 
 
 def data_dir(w, t: Path) -> None:
@@ -379,11 +405,34 @@ CASES = [
           "vLLM serves it", "for vLLM only"), prepare=drafter_tapping_the_last_layer, before_load=True),
     Case("eval-compare-drafter-missing", eval_main, evaluate_run("--compare", "runs/nope", "--no-baselines"), 7,
          ("runs/nope", "does not exist"), True),
+    # what crashed once: each now a run that ends well
+    Case("eval-compare-drafter-damaged-refused-before-evaluating", eval_main,
+         lambda w, t: evaluate_run("--compare", str(ckpt_dir(t / "out") / "drafter"), "--no-baselines")(w, t), 7,
+         ("model.safetensors is damaged",), True, resume_from=damage_weights),
+    Case("eval-compare-two-drafters-of-one-kind-two-rows", eval_main,
+         lambda w, t: evaluate_run("--compare", str(t / "a" / "drafter"), "--compare", str(t / "b" / "drafter"),
+                                   "--no-baselines")(w, t), 0,
+         ("dflash drafter ", "/b/drafter "), prepare=two_runs_of_one_kind),
+    Case("dflash2-under-shard-checkpoints", train_main,
+         train(drafter_kind="dflash2", layout="shard", max_steps=2, save_every=1, drafter_layers=2), 0,
+         ("drafter written to",), leaves=ANY, check=drafters_of_kinds((None, "dflash2"))),
+    Case("dflash2-under-offload-checkpoints", train_main,
+         train(drafter_kind="dflash2", layout="offload", max_steps=2, save_every=1, drafter_layers=2), 0,
+         ("drafter written to",), leaves=ANY, check=drafters_of_kinds((None, "dflash2"))),
+    Case("dflash-and-dflash2-under-shard-checkpoint", train_main,
+         lambda w, t: train(layout="shard", max_steps=2, save_every=1)(w, t) + ["--config", str(t / "sweep.toml")],
+         0, ("training 2 drafters",), leaves=ANY, prepare=two_kinds_in_one_file,
+         check=drafters_of_kinds(("one", "dflash"), ("two", "dflash2"))),
+    Case("demo-under-shard-evaluates", train_main,
+         lambda w, t: ["--layout", "shard", "--max-steps", "5", "--out", str(t / "out"), "--no-progress"], 0,
+         ("trained drafter", "repeat last token"), leaves=ANY, slow=True,
+         check=lambda t: RunDir(t / "out").eval_results.is_file() or pytest.fail("no eval_results.json")),
 ]
 
 
 def _param(case: Case):
     marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    marks += [pytest.mark.slow] if case.slow else []
     return pytest.param(case, id=case.id, marks=marks)
 
 
