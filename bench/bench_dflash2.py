@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from dflash.kinds import KINDS, build_drafter
     from dflash.model.target import Target
     from dflash.train.step import backward, micro_batch_sums
-    from dflash.train.synthetic import synthetic_batch
+    from dflash.train.probes.synthetic import synthetic_batch
 
     torch.set_num_threads(1)
     device = torch.device(args.device)

@@ -5,26 +5,26 @@
     python bench/bench_drafter.py --shape tiny --device cpu --variants before,fused-head   (a CPU smoke run)
 
 What runs is the trainer's own step, dflash.train.step.micro_batch_sums + backward, with
-dflash.train.step_numerics.StandInTarget in place of the frozen target: the tapped hidden states are random
+dflash.train.probes.step_numerics.StandInTarget in place of the frozen target: the tapped hidden states are random
 [B,T,k*H], the embedding and the LM head random [V,H] tables of the target's shape and dtype. The drafter,
 the head and the loss do all the work, which is what is timed here (the target's forward is bench_train's).
-Shapes: dflash.model.shapes.STEP_SHAPES; the batch: dflash.train.synthetic.synthetic_batch.
+Shapes: dflash.model.shapes.STEP_SHAPES; the batch: dflash.train.probes.synthetic.synthetic_batch.
 
-Variants (dflash.train.step_numerics.STEP_VARIANTS; every one starts from the same initial weights, anchors
+Variants (dflash.train.probes.step_numerics.STEP_VARIANTS; every one starts from the same initial weights, anchors
 and inputs):
   before      eager decoder layers, LM head in checkpointed chunks (losses.weighted_ce_from_hidden)
   fused-head  eager layers, LM head fused with the loss (dflash.objective.head_loss)
   compiled    Drafter.compile_layers (regional torch.compile), checkpointed head
   after       compiled layers + fused head: what the trainer runs on a GPU
 For each: median seconds of --reps micro-batches after --warmup (a CUDA sync around each phase), for
-forward+loss and backward; their model TFLOP/s (dflash.train.mfu: the drafter's 3x forward split 1:2, the
+forward+loss and backward; their model TFLOP/s (dflash.train.probes.mfu: the drafter's 3x forward split 1:2, the
 head's 2 products 1:1) and share of a bf16 matmul peak measured in the same run; the peak memory the
 micro-batch adds over what was allocated before it (weights, inputs), and the absolute peak.
 
 --numerics: each variant's parameter gradients for one micro-batch against an fp32 reference step on the
 same weights and inputs (bf16 inputs upcast): fp32 weights and activations, no autocast, TF32 off, dense
 masked SDPA on the memory-efficient kernel, the head in checkpointed fp32 chunks. Cosine and relative L2
-error per parameter group (dflash.train.step_numerics). The reference is first checked against a float64 step
+error per parameter group (dflash.train.probes.step_numerics). The reference is first checked against a float64 step
 at a small shape.
 --profile NAMES: one micro-batch of each variant named under torch.profiler: GPU time by kernel family, the
 busy share of the wall time, and the host syncs (torch.cuda sync debug mode).
@@ -43,17 +43,17 @@ from pathlib import Path
 import torch
 
 from dflash.model.drafter import DrafterConfig
-from dflash.train import mfu as flops
-from dflash.train.step_numerics import (STEP_VARIANTS, StandInTarget, compare, gradients, new_drafter, one_step,
+from dflash.train.probes import mfu as flops
+from dflash.train.probes.step_numerics import (STEP_VARIANTS, StandInTarget, compare, gradients, new_drafter, one_step,
                                    reference_gradients)
 from dflash.model.shapes import STEP_SHAPES, drafter_config
-from dflash.train.synthetic import synthetic_batch
-from dflash.train.timing import free_memory, matmul_peak, sync
+from dflash.train.probes.synthetic import synthetic_batch
+from dflash.train.probes.timing import free_memory, matmul_peak, sync
 from dflash.train.setup import auto_precision
 
 
 def step_flops(dcfg: DrafterConfig, anchors: list[torch.Tensor], batch: dict) -> dict:
-    """Model FLOPs of the drafter micro-batch: forward+loss and backward (dflash.train.mfu' formulas)."""
+    """Model FLOPs of the drafter micro-batch: forward+loss and backward (dflash.train.probes.mfu' formulas)."""
     items = [{"input_ids": ids, "loss_mask": mask} for ids, mask in zip(batch["input_ids"].cpu(), batch["loss_mask"].cpu())]
     drafter, head = flops.drafter_and_head_flops(dcfg, items, anchors)
     return {"forward": drafter / 3 + head / 2, "backward": 2 * drafter / 3 + head / 2, "drafter": drafter,

@@ -25,8 +25,8 @@ from dflash import distributed
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.step import backward, micro_batch_sums
-from dflash.train.synthetic import collate_with_anchors, synthetic_items
-from dflash.train.timing import free_memory
+from dflash.train.probes.synthetic import collate_with_anchors, synthetic_items
+from dflash.train.probes.timing import free_memory
 
 
 def one_micro_batch(drafter, opt, target, items, max_anchors: int, device, fused_head: bool) -> int:

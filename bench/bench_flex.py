@@ -5,7 +5,7 @@
 
 The drafter's attention (dflash.model.drafter, flex path) at a real shape: queries are the block rows, keys the
 context + block rows, the BlockMask is the drafter's (dflash.model.masks) for anchors sampled as the
-trainer samples them (dflash.train.synthetic; shapes: dflash.model.shapes.STEP_SHAPES). For each configuration of the backward kernel (tile sizes BLOCK_M1/N1 for dK/dV, M2/N2 for
+trainer samples them (dflash.train.probes.synthetic; shapes: dflash.model.shapes.STEP_SHAPES). For each configuration of the backward kernel (tile sizes BLOCK_M1/N1 for dK/dV, M2/N2 for
 dQ, pipeline stages, warps; torch's default for the device first), flex_attention is compiled with those
 kernel options and timed: median ms of forward, and of forward + backward, with CUDA events. Every
 configuration's output and gradients are compared with the default's (max |diff| / max |ref|), so a
@@ -25,8 +25,8 @@ from dflash.model.drafter import flex_block_mask
 from dflash.model.masks import drafter_attention_mask
 from dflash.train.blocks import build_blocks
 from dflash.model.shapes import STEP_SHAPES
-from dflash.train.synthetic import synthetic_batch
-from dflash.train.timing import timed
+from dflash.train.probes.synthetic import synthetic_batch
+from dflash.train.probes.timing import timed
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps); None = torch's default for the device
 CONFIGS = [None, (64, 64, 64, 64, 2, 8), (64, 64, 64, 64, 3, 4), (32, 64, 64, 32, 3, 4), (32, 128, 128, 32, 2, 8),

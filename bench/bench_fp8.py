@@ -22,7 +22,7 @@ import torch
 from dflash.model.fp8 import pick_gemm, quantize_model, use_fp8_gemm, weight_bytes
 from dflash.model.fp8_checkpoint import default_modules_to_not_convert
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
-from dflash.train.timing import free_memory, sync
+from dflash.train.probes.timing import free_memory, sync
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import bench_train  # noqa: E402  the loop and its config, as bench_train runs them

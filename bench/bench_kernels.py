@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from dflash.doctor.numerics import rel_error
 from dflash.model.kernels import kernel_functions
-from dflash.train.timing import timed
+from dflash.train.probes.timing import timed
 
 MODES = {"all fast": {"fla", "causal_conv1d"}, "fla only": {"fla"}, "all fallbacks": set()}
 

@@ -3,7 +3,7 @@
     python bench/bench_layouts.py --json out.json        one H200: the 27B-shape random target (54 GB bf16)
     python bench/bench_layouts.py --preset large --hidden 1024 --layers 8 --vocab 32000   (a small try)
 
-One process (world size 1), the trainer's own pieces: dflash.train.layouts wraps the drafter and builds
+One process (world size 1), the trainer's own pieces: dflash.train.parallel.layouts wraps the drafter and builds
 AdamW as `--layout` does, dflash.train.step runs each micro-batch (target forward, drafter forward and
 loss, backward), then the gradient clip and the AdamW step, as the trainer does. The micro-batch is the
 recipe's standard one: --batch-size 2 x --seq-len 4096 tokens, --anchors 512 per sequence, block 16, the
@@ -40,11 +40,11 @@ import torch
 from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.model.drafter import Drafter, DrafterConfig
-from dflash.train import layouts
+from dflash.train.parallel import layouts
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.step import backward, micro_batch_sums
-from dflash.train.synthetic import collate_with_anchors, synthetic_items
-from dflash.train.timing import free_memory
+from dflash.train.probes.synthetic import collate_with_anchors, synthetic_items
+from dflash.train.probes.timing import free_memory
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.kinds import DEFAULT, names  # noqa: E402
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape  # noqa: E402
-from dflash.train.timing import free_memory, sync  # noqa: E402
+from dflash.train.probes.timing import free_memory, sync  # noqa: E402
 from dflash.train.trainer import train  # noqa: E402
 
 

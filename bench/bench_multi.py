@@ -46,13 +46,13 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs
 from dflash.errors import TrainError
-from dflash.train.mfu import batch_flops
+from dflash.train.probes.mfu import batch_flops
 from dflash.train.loop import TrainingLoop
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.signals import StopFlag
 from dflash.train.step import micro_batch_sums
-from dflash.train.synthetic import synthetic_items
-from dflash.train.timing import free_memory, matmul_peak, sync
+from dflash.train.probes.synthetic import synthetic_items
+from dflash.train.probes.timing import free_memory, matmul_peak, sync
 from dflash.train.setup import auto_precision
 
 

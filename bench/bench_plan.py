@@ -31,8 +31,8 @@ from dflash.plan.memory import COEFFS, GB, MicroBatch, activation_terms
 from dflash.plan.sizes import drafter_shape, preset_shape
 from dflash.model.shapes import QWEN35_27B, random_target
 from dflash.train.step import backward, micro_batch_sums
-from dflash.train.synthetic import collate_with_anchors, synthetic_items
-from dflash.train.timing import free_memory
+from dflash.train.probes.synthetic import collate_with_anchors, synthetic_items
+from dflash.train.probes.timing import free_memory
 
 FEATURES = ("layer", "ctx", "mask", "logit", "param")
 

@@ -45,7 +45,7 @@ from dflash.decode.target_state import TargetCache
 from dflash.kinds import DEFAULT, named, names
 from dflash.model.target import Target
 from dflash.model.shapes import QWEN35_27B, random_target
-from dflash.train.timing import timed
+from dflash.train.probes.timing import timed
 
 # target shape (dflash.model.shapes' keys), drafter shape (DrafterConfig overrides), tapped layers
 PRESETS = {

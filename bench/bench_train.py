@@ -15,7 +15,7 @@ Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized b
      block embeddings), drafter forward (+ head + loss), drafter backward (+ clip), optimizer step;
   3. model FLOPs utilisation (GPU): the step's model FLOPs (below) per second of the training loop,
      over a bf16 matmul peak measured in the same run (8192^3 products on random data).
-Model FLOPs of one step (dflash/train/mfu.py, shared with the trainer's MFU; the useful work: recomputation
+Model FLOPs of one step (dflash/train/probes/mfu.py, shared with the trainer's MFU; the useful work: recomputation
 and masked-out attention do not count):
   target forward  2 x (decoder-layer parameters) x tokens + 4 x head_dim x heads x (causal query-key
                   pairs) per full-attention layer (the GatedDeltaNet recurrences, under 1 %, are left out)
@@ -53,11 +53,11 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.target import Target
-from dflash.train.mfu import batch_flops
+from dflash.train.probes.mfu import batch_flops
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.step import backward, micro_batch_sums
-from dflash.train.synthetic import collate_with_anchors, synthetic_items
-from dflash.train.timing import free_memory, matmul_peak, sync
+from dflash.train.probes.synthetic import collate_with_anchors, synthetic_items
+from dflash.train.probes.timing import free_memory, matmul_peak, sync
 from dflash.train.setup import attention_impl, auto_precision, compile_layers, precision
 from dflash.train.trainer import train
 

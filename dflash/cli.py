@@ -78,7 +78,7 @@ def train_parser() -> argparse.ArgumentParser:
 def train_config(argv: list[str]) -> TrainConfig:
     """The TrainConfig that `dflash-train ARGV` runs with (flags, --config file, demo defaults, and with
     --resume the config stored in --out)."""
-    from dflash.train.rundir import read_stored_config
+    from dflash.train.records.rundir import read_stored_config
 
     return from_args(train_parser().parse_args(argv), read_stored_config)
 
@@ -269,8 +269,8 @@ def report_parser() -> argparse.ArgumentParser:
 
 
 def _report(argv) -> int:
-    from dflash.train.run_compare import is_multi_run, write_comparison
-    from dflash.train.run_report import write_report
+    from dflash.train.records.run_compare import is_multi_run, write_comparison
+    from dflash.train.records.run_report import write_report
 
     args = report_parser().parse_args(argv)
     warn = lambda m: print(f"dflash report: warning: {m}", file=sys.stderr)  # noqa: E731

@@ -146,7 +146,7 @@ def test_fatbin_elf_reader(cut, flips):
 
 @given(latest=st.text(max_size=30), steps=st.lists(st.integers(0, 99), max_size=3), state=st.binary(max_size=64))
 def test_checkpoint_metadata(latest, steps, state):
-    from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_state, step_dir_name
+    from dflash.train.records.checkpoint import STATE_FILE, latest_checkpoint, load_state, step_dir_name
 
     root = Path(tempfile.mkdtemp(prefix="fuzz-ckpt-"))
     for s in steps:
@@ -197,8 +197,8 @@ def test_report_readers(lines, config):
     import matplotlib.pyplot as plt
 
     from dflash.errors import DflashError
-    from dflash.train import run_report
-    from dflash.train.rundir import RunDir
+    from dflash.train.records import run_report
+    from dflash.train.records.rundir import RunDir
 
     run = _run_dir(lines, config)
     problems: list[str] = []

@@ -198,7 +198,7 @@ def from_args(ns: argparse.Namespace, read_stored=None) -> TrainConfig:
     """Resolve a TrainConfig from parsed flags, applying the precedence in the module docstring.
 
     `read_stored(out)` returns the config a run stored in its output dir, for --resume (the run directory's
-    layout is the trainer's: dflash.train.rundir.read_stored_config; dflash.cli.train_config passes it).
+    layout is the trainer's: dflash.train.records.rundir.read_stored_config; dflash.cli.train_config passes it).
     """
     given = {name: getattr(ns, name) for name in OPTIONS if hasattr(ns, name)}
     if getattr(ns, "config", None):
@@ -208,7 +208,7 @@ def from_args(ns: argparse.Namespace, read_stored=None) -> TrainConfig:
         values.update(DEMO_DEFAULTS)
     if given.get("resume"):
         if read_stored is None:
-            raise TypeError("from_args: --resume needs read_stored (dflash.train.rundir.read_stored_config)")
+            raise TypeError("from_args: --resume needs read_stored (dflash.train.records.rundir.read_stored_config)")
         # the stored run may have started with --overwrite: continuing it deletes nothing
         values = {**read_stored(given.get("out", IOConfig.out)).to_flat(), "overwrite": False}
     values.update(given)

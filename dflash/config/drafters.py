@@ -18,7 +18,7 @@ before anything loads.
     lr = 3e-4
 
 Only options that leave the data order alone can differ between drafters (PER_DRAFTER): the drafter's
-shape, tapped target layers (the one target pass taps their union: dflash.train.taps) and blocks, its loss
+shape, tapped target layers (the one target pass taps their union: dflash.train.parallel.taps) and blocks, its loss
 decay and its optimizer. The others are one value for the whole run (a drafter that names one fails,
 saying why), since every drafter sees the same micro-batches in the same order.
 """

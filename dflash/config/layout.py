@@ -7,8 +7,8 @@ everywhere else asks a Layout what it does (tests/dflash/test_layering.py holds 
     offload    shard, with that share in host memory and the AdamW step on the CPU
     pipeline   the target's layers in stages on their own ranks; the drafter sharded (as shard) over the others
 
-How each is built, checkpointed and gathered: dflash.train.layouts, dflash.train.sharded_checkpoint,
-dflash.train.pipeline; what each costs: dflash.plan.memory and dflash.plan.throughput.
+How each is built, checkpointed and gathered: dflash.train.parallel.layouts, dflash.train.parallel.sharded_checkpoint,
+dflash.train.parallel.pipeline; what each costs: dflash.plan.memory and dflash.plan.throughput.
 """
 
 from __future__ import annotations

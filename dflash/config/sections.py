@@ -220,7 +220,7 @@ class RuntimeConfig(Section):
                               f"--layout is {self.layout}; drop --target-stages or pass --layout pipeline.")
 
 
-# --report-to's names (dflash.train.trackers opens them).
+# --report-to's names (dflash.train.records.trackers opens them).
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")
 
 

@@ -15,11 +15,11 @@ from dflash.data.batches import ChatDataset, dataset_items
 from dflash.decode.evaluate import evaluate, evaluate_baseline, format_results
 from dflash.kinds import named
 from dflash.regenerate.local import regenerate
-from dflash.train import layouts
-from dflash.train.monitor import claimed_run
-from dflash.train.rundir import RunDir
+from dflash.train.parallel import layouts
+from dflash.train.records.monitor import claimed_run
+from dflash.train.records.rundir import RunDir
 from dflash.train.setup import load_target
-from dflash.train.sharded_checkpoint import full_drafter
+from dflash.train.parallel.sharded_checkpoint import full_drafter
 from dflash.train.trainer import train
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.tiny_target import build_demo_target
@@ -45,7 +45,7 @@ def run_demo(config: TrainConfig) -> int:
     """Build (or reuse) the tiny demo target, regenerate its data, train, then print tau beside the
     untrained-drafter and repeat-last-token baselines; <out>/eval.json keeps the numbers. Returns the
     exit code (1 when the trained drafter's output was not lossless). The run holds --out from the
-    first write of its data to its evaluation (dflash.train.rundir)."""
+    first write of its data to its evaluation (dflash.train.records.rundir)."""
     # the layout's process group, held past train(): a sharded drafter is gathered after it for the evaluation
     with layouts.joined(config) as d, claimed_run(config, d) as run:
         return _run_demo(config, run, d)

@@ -7,7 +7,7 @@
     ipc.py         shared memory (/dev/shm) and loopback: what multi-process work needs from the container
     verdict.py     CheckResult, Report: the verdict as a table or as JSON (schema 1), saved atomically
     healthcheck.py `dflash healthcheck`: the saved verdict plus the trainer's heartbeat
-                   (dflash/train/heartbeat.py) decide the exit code
+                   (dflash/train/records/heartbeat.py) decide the exit code
     entrypoint.py  `dflash entrypoint`: the image's entrypoint (background doctor, then the command)
 
 Importing this package imports nothing heavy: the health check runs every 30 s and must stay cheap.

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.train.heartbeat import HEARTBEAT_ENV, heartbeat_path
+from dflash.train.records.heartbeat import HEARTBEAT_ENV, heartbeat_path
 from dflash.doctor.verdict import DEFAULT_REPORT, REPORT_ENV, SCHEMA_VERSION
 
 MAX_AGE_ENV, DEFAULT_MAX_AGE = "DFLASH_HEARTBEAT_MAX_AGE", 600.0

@@ -1,5 +1,5 @@
 """Model FLOPs of the frozen target's forward and the drafter's step, from shapes alone (no tensors):
-the formulas behind MFU in training (dflash.train.mfu) and tokens/s in the planner (dflash.plan)."""
+the formulas behind MFU in training (dflash.train.probes.mfu) and tokens/s in the planner (dflash.plan)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ drafter step shapes (STEP_SHAPES: what one training micro-batch of the drafter s
                                                               which the drafter copies
     target_layers                                             the target's decoder layers (tapped: 5)
     batch, seq, anchors                                       B sequences of T tokens, anchors per sequence
-  `drafter_config` turns one into a DrafterConfig; dflash.train.synthetic makes the batch of one.
+  `drafter_config` turns one into a DrafterConfig; dflash.train.probes.synthetic makes the batch of one.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ current step: docs/performance.md): target forward 0.826 s, drafter forward 0.25
 
     t = t_H200 x (FLOPs of this shape / FLOPs of the measured shape) x (H200 bf16 peak / card bf16 peak)
 
-(FLOPs from dflash.train.mfu's formulas: the target's forward, the drafter's and the LM head's), and
+(FLOPs from dflash.train.probes.mfu's formulas: the target's forward, the drafter's and the LM head's), and
 the AdamW step scales with the parameters it updates (per rank). On top, per layout (link bandwidths in
 CARDS; none of these overheads is measured yet, each is a transfer time at the link's rate):
   replicate   W > 1: DDP's all-reduce of 4P bytes of gradients, 2 (W-1)/W x 4P / link, overlapped with
@@ -57,7 +57,7 @@ H200 = CARDS["h200"]
 
 
 def _target_flops(target: TargetShape, mb: MicroBatch) -> float:
-    """dflash.train.mfu.target_forward_flops on full sequences of mb.seq_len."""
+    """dflash.train.probes.mfu.target_forward_flops on full sequences of mb.seq_len."""
     pairs = mb.batch * mb.seq_len * (mb.seq_len + 1) / 2
     return 2 * sum(target.layer_params) * mb.batch * mb.seq_len + 4 * target.head_dim * target.heads * pairs \
         * target.full_attention_layers
@@ -65,7 +65,7 @@ def _target_flops(target: TargetShape, mb: MicroBatch) -> float:
 
 def _drafter_flops(target: TargetShape, drafter: DrafterShape, mb: MicroBatch) -> float:
     """dflash.model.flops.drafter_flops + head_flops, anchors spread evenly over the second half of each
-    sequence (the supervised half of dflash.train.synthetic's items)."""
+    sequence (the supervised half of dflash.train.probes.synthetic's items)."""
     from dflash.model.flops import drafter_flops, head_flops
 
     bs, n = drafter.block_size, mb.anchors

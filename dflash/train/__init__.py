@@ -1,2 +1,6 @@
-"""Training a drafter: anchors and blocks, the step, losses, the schedule, checkpoints, the run directory,
-what a run shows while it runs (monitor, trackers, MFU, evaluation) and the report it leaves."""
+"""Training a drafter. The run itself lives here: its set-up and the checks before any weight loads
+(trainer, multi, setup, precheck), the one training loop and each drafter's lane in it (loop, lane), the
+micro-batches and what one computes (pack_batches, blocks, step), the schedule, the evaluation split, and
+how a run stops (signals, faults). Three sub-packages hold one job each: parallel (what each rank holds),
+records (what a run writes and reads back) and probes (what benchmarks and tests measure with). The
+objectives are dflash.objective's."""

@@ -5,7 +5,7 @@ BaseException (so `except Exception` misses it) and whose str() is a traceback p
 whose peer process went away raises a gloo or NCCL error (DistBackendError, or a RuntimeError naming
 the transport). The trainer turns each into the error a user can act on:
 
-    disk full, over quota, read-only   -> free space (dflash.train.checkpoint.DISK_ERRNOS)
+    disk full, over quota, read-only   -> free space (dflash.train.records.checkpoint.DISK_ERRNOS)
     another rank went away             -> RankLostError: look at that rank's output, then --resume
     anything else                      -> the causes, one line each, no traceback
 """
@@ -13,7 +13,7 @@ the transport). The trainer turns each into the error a user can act on:
 from __future__ import annotations
 
 from dflash.errors import RankLostError
-from dflash.train.checkpoint import DISK_ERRNOS
+from dflash.train.records.checkpoint import DISK_ERRNOS
 
 # what gloo and NCCL say when the other end of a collective is gone (a killed, crashed or exited peer)
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",

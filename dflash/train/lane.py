@@ -19,13 +19,13 @@ from dflash.config import TrainConfig
 from dflash.data.batches import DataOrder, data_fingerprint, item_lengths
 from dflash.data.packs import PackOrder
 from dflash.errors import CheckpointError, TrainError
-from dflash.train import checkpoint as ckpt
-from dflash.train import layouts, sharded_checkpoint
+from dflash.train.records import checkpoint as ckpt
+from dflash.train.parallel import layouts, sharded_checkpoint
 from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.train.evaluation import SplitEvaluator
-from dflash.train.mfu import StepFlops
-from dflash.train.monitor import MonitorPlan, RunMonitor
-from dflash.train.rundir import RunDir
+from dflash.train.probes.mfu import StepFlops
+from dflash.train.records.monitor import MonitorPlan, RunMonitor
+from dflash.train.records.rundir import RunDir
 from dflash.train.schedule import lr_lambda
 from dflash.train.setup import attention_impl, compile_layers, drafter_config, pad_id, packing, precision
 from dflash.train.signals import StopFlag
@@ -65,7 +65,7 @@ class Lane:
         self.drafter = self.kind.build(self.drafter_config, attention=attention).to(d.device)
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
-        self.layout = config.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.layouts)
+        self.layout = config.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.parallel.layouts)
         self.model = layouts.wrap_drafter(self.drafter, self.layout, d, compile=compile_layers(config, d.device))
         self.optimizer = layouts.optimizer(self.drafter, config, d)
         self.packed = packing(config, d.device)  # packed rows of fixed shape (dflash.data.packs), or padded batches

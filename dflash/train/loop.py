@@ -3,7 +3,7 @@
     TrainingLoop(configs, target, items, d, stop)    one Lane (dflash.train.lane) per drafter config
         per micro-batch   the data order's next indices (one order, shared), this rank's share collated once
                           (padded, or its pack: dflash.train.pack_batches), target.context once (tapping the
-                          union of the drafters' layers: dflash.train.taps); then for each drafter: its
+                          union of the drafters' layers: dflash.train.parallel.taps); then for each drafter: its
                           columns of it, its anchors, forward, backward
         per step          each drafter's clip, AdamW and LR step, metrics record, checkpoint (same steps)
         at the end        each drafter's last checkpoint and exported drafter
@@ -28,12 +28,12 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.data.batches import collate
 from dflash.errors import CheckpointError
-from dflash.train import checkpoint as ckpt
-from dflash.train.heartbeat import Heartbeat
+from dflash.train.records import checkpoint as ckpt
+from dflash.train.records.heartbeat import Heartbeat
 from dflash.train.lane import Lane, TrainResult
 from dflash.train.pack_batches import pack_micro_batch, rank_pack
 from dflash.train.signals import StopFlag
-from dflash.train.taps import TargetView
+from dflash.train.parallel.taps import TargetView
 
 log = logging.getLogger("dflash.train")
 
@@ -52,7 +52,7 @@ class TrainingLoop:
     def __init__(self, configs: dict[str, TrainConfig], target, items: list[dict], d: distributed.Dist,
                  stop: StopFlag, on_step: Callable[[int, dict], bool] | None = None,
                  eval_items: list[dict] | None = None, layers: dict[str, list[int]] | None = None):
-        """`layers`: each drafter's tapped target layers when they are not all the target's (dflash.train.taps).
+        """`layers`: each drafter's tapped target layers when they are not all the target's (dflash.train.parallel.taps).
         `on_step(step, {name: metrics})` may return True to stop as SIGTERM would."""
         self.target, self.d, self.stop, self.on_step = target, d, stop, on_step
         self.lanes: dict[str, Lane] = {}
@@ -209,7 +209,7 @@ class TrainingLoop:
         return result
 
     def _compare(self) -> None:
-        from dflash.train.run_compare import write_comparison
+        from dflash.train.records.run_compare import write_comparison
 
         root = Path(self.config.io.out).parent.parent  # <out>/drafters/NAME -> <out>
         try:

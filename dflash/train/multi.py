@@ -7,7 +7,7 @@ Each drafter is a Lane (dflash.train.lane) of its own config, run directory (<ou
 config.json, metrics.jsonl, checkpoints/, drafter/, report/), optimizer, LR schedule, metrics and, under
 torchrun, its own DDP or FSDP2 wrapper; the loop that drives them is the one a single drafter trains in
 (dflash.train.loop). This module sets such a run up: every drafter's options checked, their tapped layers
-(the target pass taps the union: dflash.train.taps), the memory they need, the target and data loaded once.
+(the target pass taps the union: dflash.train.parallel.taps), the memory they need, the target and data loaded once.
 <out> holds the run's config.json and train.log; <out>/drafters/drafters.json lists the drafters for
 --resume, which resumes them all from their own latest checkpoints (they must all be at the same step).
 
@@ -27,13 +27,13 @@ from dflash.config import TrainConfig
 from dflash.config.drafters import DrafterSpec, drafter_configs, write_plan
 from dflash.data.batches import load_items
 from dflash.errors import SAID_BY_RANK_0, DflashError
-from dflash.train import layouts, pipeline
+from dflash.train.parallel import layouts, pipeline
 from dflash.train.evaluation import eval_split
-from dflash.train.monitor import claimed_run
+from dflash.train.records.monitor import claimed_run
 from dflash.train.precheck import check_before_loading, check_resume_checkpoint
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from dflash.train.signals import StopFlag
-from dflash.train.taps import tapped_layers, union
+from dflash.train.parallel.taps import tapped_layers, union
 from dflash.train.setup import attention_impl, load_target
 from dflash.train.loop import LoopResult, TrainingLoop
 from dflash.train.trainer import known_fault

@@ -108,7 +108,7 @@ def check_target_cheaply(config: TrainConfig) -> None:
 
 
 def _damaged(checkpoint: Path, what: Path, reason: str) -> CheckpointError:
-    from dflash.train.checkpoint import STATE_FILE
+    from dflash.train.records.checkpoint import STATE_FILE
 
     root = checkpoint.parent
     earlier = sorted(p.name for p in root.glob("step-*") if p.name < checkpoint.name and (p / STATE_FILE).is_file())
@@ -133,10 +133,10 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     import torch
 
     from dflash.io.drafter_dir import read_drafter_config
-    from dflash.train.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
-    from dflash.train.manifest import check_manifest
-    from dflash.train.sharded_checkpoint import KIND_KEY, check_kind
-    from dflash.train.rundir import RunDir
+    from dflash.train.records.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
+    from dflash.train.records.manifest import check_manifest
+    from dflash.train.parallel.sharded_checkpoint import KIND_KEY, check_kind
+    from dflash.train.records.rundir import RunDir
 
     root = RunDir(config.io.out).checkpoints
     last = latest_checkpoint(root)

@@ -102,7 +102,7 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
     or sample_pack_anchors), `n_anchors` the fixed anchor count of packed rows. `drafter` may be the DDP
     wrapper. `mark(phase)` is called after "target forward" and after "drafter forward" (a benchmark
     synchronises and reads its clock there; training passes None). keep_correct also returns the
-    per-block correct mask (dflash.train_eval's replay of greedy verification). fused_head=False (or a
+    per-block correct mask (dflash.train.evaluation's replay of greedy verification). fused_head=False (or a
     head that is no bias-free Linear) takes losses.weighted_ce_from_hidden instead: the same loss with
     checkpointed chunks (bench/bench_drafter.py's "before"). `context` is target.context(input_ids,
     attention_mask) when the caller already ran it (several drafters on one target pass: dflash.train.multi).

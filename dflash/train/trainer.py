@@ -22,14 +22,14 @@ from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.data.batches import load_items
 from dflash.errors import SAID_BY_RANK_0, DflashError
-from dflash.train import checkpoint as ckpt
-from dflash.train import layouts, pipeline
+from dflash.train.records import checkpoint as ckpt
+from dflash.train.parallel import layouts, pipeline
 from dflash.train.evaluation import eval_split
 from dflash.train.lane import TrainResult
 from dflash.train.loop import TrainingLoop
-from dflash.train.monitor import claimed_run
+from dflash.train.records.monitor import claimed_run
 from dflash.train.precheck import check_before_loading
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from dflash.train.setup import attention_impl, load_target, padded_options_unused
 from dflash.train.signals import StopFlag
 
@@ -44,7 +44,7 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     `target` and `items` (dicts with input_ids/loss_mask LongTensor[T]) skip loading them from
     --target / --data. `on_step(step, metrics)` runs after every optimizer step; when it returns True the
     run stops as if it got SIGTERM (checkpoint, then return). The run holds its directory for its whole
-    length (dflash.train.rundir: a second run into it stops at once; an old run there is refused unless
+    length (dflash.train.records.rundir: a second run into it stops at once; an old run there is refused unless
     --resume or --overwrite). `card_gb_for_tests` stands in a card of that many GB for the memory check
     (dflash.train.precheck.check_memory), which otherwise reads the visible GPU and skips a CPU.
     """

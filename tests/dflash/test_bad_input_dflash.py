@@ -26,7 +26,7 @@ import pytest
 
 from common.fsutil import exclusive
 from dflash.cli import eval_main, main, train_main
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.bad_input import assert_clear_failure, snapshot
 from tests.support.dflash_train_fixtures import drop_run_log_handlers, save_chat_target, train_args, write_chat_jsonl
 
@@ -258,7 +258,7 @@ def drafters_of_kinds(*expected: tuple[str | None, str]):
         from dflash.config.drafters import drafter_out
         from dflash.io.drafter_dir import load_drafter
         from dflash.kinds import kind_of
-        from dflash.train import checkpoint as ckpt
+        from dflash.train.records import checkpoint as ckpt
 
         for name, kind in expected:
             run = RunDir(drafter_out(t / "out", name) if name else t / "out")
@@ -481,7 +481,7 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
 
 
 def test_a_full_disk_while_checkpointing_is_a_checkpoint_error_in_train_log(world, tmp_path, monkeypatch, capsys):
-    import dflash.train.checkpoint as ckpt
+    import dflash.train.records.checkpoint as ckpt
 
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -14,7 +14,7 @@ import pytest
 from dflash.cli import main, train_config, train_main
 from dflash.config import DEMO_DEFAULTS, OPTIONS, SECTIONS, ModelConfig, TrainConfig
 from dflash.errors import ConfigError
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 
 from dflash.errors import ConfigError
 from dflash.launcher import exit_code_of, split_launch
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

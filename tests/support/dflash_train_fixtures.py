@@ -61,7 +61,7 @@ def train_args(target: Path, data: Path, out: Path, **extra) -> list[str]:
 
 
 def read_metrics(out: Path) -> list[dict]:
-    from dflash.train.rundir import RunDir
+    from dflash.train.records.rundir import RunDir
 
     return [json.loads(line) for line in RunDir(out).metrics.read_text().splitlines() if line]
 
@@ -84,7 +84,7 @@ def assert_same_run(a: Path, b: Path, tolerance: float = 1e-6) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from dflash.train.rundir import RunDir
+    from dflash.train.records.rundir import RunDir
 
     one, other = read_metrics(a), read_metrics(b)
     assert [m["step"] for m in other] == [m["step"] for m in one] and one

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dflash.doctor import healthcheck
-from dflash.train import heartbeat
+from dflash.train.records import heartbeat
 from dflash.doctor import doctor
 from dflash.doctor.verdict import FAIL, PASS, SKIP, CheckResult, Report
 

@@ -151,7 +151,7 @@ def test_segments_refuse_a_mask_a_cache_or_another_shape(targets):
 
 
 def test_a_drafter_view_passes_the_segments_on(targets):
-    from dflash.train.taps import TargetView
+    from dflash.train.parallel.taps import TargetView
 
     target = targets["qwen3_5"]
     ids, segments = _pack()

@@ -11,7 +11,7 @@ from dflash.model.target import Target
 from dflash.plan.memory import GB, MicroBatch, activation_terms, rank_peaks
 from dflash.plan.sizes import drafter_shape, preset_shape, target_shape, target_shape_from_dir
 from dflash.train.step import backward, micro_batch_sums
-from dflash.train.synthetic import collate_with_anchors, synthetic_items
+from dflash.train.probes.synthetic import collate_with_anchors, synthetic_items
 from dflash import distributed
 from tests.support.dflash_train_fixtures import save_chat_target
 

@@ -11,7 +11,7 @@ from dflash.errors import TrainError
 from dflash.plan.memory import MicroBatch
 from dflash.plan.planner import check_training_fits, option, run_shapes
 from dflash.plan.throughput import CARDS
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from dflash.train.trainer import train
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 

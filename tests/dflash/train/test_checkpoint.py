@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from dflash.train import checkpoint as ckpt
+from dflash.train.records import checkpoint as ckpt
 from dflash.config import TrainConfig
 from dflash.io.drafter_dir import load_drafter
 from dflash.errors import CheckpointError

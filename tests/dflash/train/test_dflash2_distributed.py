@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]

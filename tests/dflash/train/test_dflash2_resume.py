@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dflash.cli import train_main
-from dflash.train import checkpoint as ckpt
-from dflash.train.rundir import RunDir
+from dflash.train.records import checkpoint as ckpt
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash import distributed
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
@@ -73,7 +73,7 @@ def test_a_two_process_checkpoint_resumes_to_the_uninterrupted_run(tmp_path):
 
     from safetensors.torch import load_file
 
-    from dflash.train import checkpoint as ckpt
+    from dflash.train.records import checkpoint as ckpt
     from dflash.cli import train_main
 
     target = save_chat_target(tmp_path / "target")

@@ -1,4 +1,4 @@
-"""dflash.train.mfu: the trainer's model FLOPs (anchor positions, no mask built) equal the count from the
+"""dflash.train.probes.mfu: the trainer's model FLOPs (anchor positions, no mask built) equal the count from the
 drafter's dense attention mask (dense_mask_flops); the peak is known for data-sheet GPUs and absent on a CPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from dflash.train.blocks import build_blocks, sample_anchors
 from dflash.data.batches import collate
 from dflash.model.flops import drafter_pairs
-from dflash.train.mfu import StepFlops, dense_mask_flops, peak_flops
+from dflash.train.probes.mfu import StepFlops, dense_mask_flops, peak_flops
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import Target
 from tests.support.dflash_train_fixtures import save_chat_target

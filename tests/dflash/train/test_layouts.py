@@ -14,9 +14,9 @@ import pytest
 
 from dflash.config import TrainConfig
 from dflash.errors import CheckpointError, ConfigError
-from dflash.train import checkpoint as ckpt
-from dflash.train import layouts
-from dflash.train.rundir import RunDir
+from dflash.train.records import checkpoint as ckpt
+from dflash.train.parallel import layouts
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import (assert_same_run, save_chat_target, train_args,
                                                  write_chat_jsonl)
 

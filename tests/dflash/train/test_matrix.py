@@ -27,7 +27,7 @@ from dflash.cli import train_main
 from dflash.config.drafters import drafter_out
 from dflash.io.drafter_dir import load_drafter
 from dflash.model.dflash2 import DFlash2Drafter
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import drop_run_log_handlers, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]

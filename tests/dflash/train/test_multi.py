@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from dflash.cli import train_main
 from dflash.config.drafters import drafter_out
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 # Two drafters that differ in block size, depth, tapped target layers (the tiny target's default is [2]: the

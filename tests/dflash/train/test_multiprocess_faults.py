@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from dflash.cli import train_main
-from dflash.train import checkpoint as ckpt
-from dflash.train.rundir import RunDir
+from dflash.train.records import checkpoint as ckpt
+from dflash.train.records.rundir import RunDir
 from tests.support.bad_input import assert_clear_failure
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 

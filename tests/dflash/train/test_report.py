@@ -8,8 +8,8 @@ import json
 import pytest
 
 from dflash.cli import main, train_main
-from dflash.train.run_report import PLOTS, read_records, write_report
-from dflash.train.rundir import RunDir
+from dflash.train.records.run_report import PLOTS, read_records, write_report
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""One run per run directory (dflash.train.rundir): every path of a run comes from RunDir; two real
+"""One run per run directory (dflash.train.records.rundir): every path of a run comes from RunDir; two real
 `dflash-train` processes into one --out: the second stops at once (exit 10) and the first's files are its
 own; a finished run's directory is refused without --resume or --overwrite; --overwrite starts over (the
 old run's files gone, not appended to; other files kept); an older run's flat config.json still resumes;
@@ -22,8 +22,8 @@ from common.fsutil import exclusive
 from dflash.cli import train_main
 from dflash.distributed import Dist
 from dflash.errors import ConfigError, RunDirBusy
-from dflash.train import checkpoint as ckpt
-from dflash.train.rundir import RunDir
+from dflash.train.records import checkpoint as ckpt
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]

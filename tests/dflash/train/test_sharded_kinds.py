@@ -10,7 +10,7 @@ import pytest
 
 from dflash.io.drafter_dir import load_drafter
 from dflash.model.dflash2 import DFlash2Drafter
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 

@@ -1,4 +1,4 @@
-"""The training step's gradients against an fp32 reference step (dflash.train.step_numerics; bench/bench_drafter.py
+"""The training step's gradients against an fp32 reference step (dflash.train.probes.step_numerics; bench/bench_drafter.py
 runs the same comparison at the 27B shape).
 
 On a CPU the step runs in fp32 end to end, so every variant must match the reference to fp32 rounding;
@@ -9,10 +9,10 @@ on a GPU (bf16 autocast, compiled layers, flex attention, the fused head) the gr
 import pytest
 import torch
 
-from dflash.train.step_numerics import (STEP_VARIANTS, StandInTarget, compare, gradients, new_drafter, one_step,
+from dflash.train.probes.step_numerics import (STEP_VARIANTS, StandInTarget, compare, gradients, new_drafter, one_step,
                                    reference_gradients)
 from dflash.model.shapes import STEP_SHAPES, drafter_config
-from dflash.train.synthetic import synthetic_batch
+from dflash.train.probes.synthetic import synthetic_batch
 
 
 def _gradients_vs_reference(shape: dict, device: torch.device, variant: str) -> dict:

@@ -13,8 +13,8 @@ from dflash.cli import train_main
 from dflash.errors import ConfigError
 from dflash.train.step import acceptance_sums, summarize
 from dflash.config import check_report_to
-from dflash.train.rundir import RunDir
-from dflash.train.trackers import open_trackers, scalars
+from dflash.train.records.rundir import RunDir
+from dflash.train.records.trackers import open_trackers, scalars
 from dflash.train.evaluation import prompt_of, split_items
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 

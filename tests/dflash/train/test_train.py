@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.train import checkpoint as ckpt
+from dflash.train.records import checkpoint as ckpt
 from dflash.config import TrainConfig
 from dflash.train.blocks import build_blocks, sample_anchors
 from dflash.train.schedule import lr_lambda
 from dflash.train.trainer import train
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[3]

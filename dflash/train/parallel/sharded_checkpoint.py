@@ -12,7 +12,7 @@
 
 Every rank that holds drafter state writes into one hidden temp dir on a filesystem all of them see;
 rank 0 renames it into place and moves `latest` only after every rank finished (as in
-dflash.train.checkpoint, whose atomicity, manifest (dflash.train.manifest: DCP itself checks nothing, so
+dflash.train.records.checkpoint, whose atomicity, manifest (dflash.train.records.manifest: DCP itself checks nothing, so
 a flipped byte inside a shard would resume into another drafter) and pruning this reuses.
 
 A failed save ends the same way on every rank (each learns of the others' failure): disk errors say
@@ -33,7 +33,7 @@ from common.fsutil import atomic_write
 from dflash import distributed
 from dflash.config import Layout
 from dflash.errors import CheckpointError
-from dflash.train import checkpoint as ckpt
+from dflash.train.records import checkpoint as ckpt
 from dflash.train import faults
 
 DCP_DIR = "dcp"

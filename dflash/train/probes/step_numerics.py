@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from dflash import distributed
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.train.step import backward, micro_batch_sums
-from dflash.train.timing import free_memory, sync
+from dflash.train.probes.timing import free_memory, sync
 
 STEP_VARIANTS = {"before": dict(compiled=False, fused_head=False), "fused-head": dict(compiled=False, fused_head=True),
                  "compiled": dict(compiled=True, fused_head=False), "after": dict(compiled=True, fused_head=True)}

@@ -11,7 +11,7 @@
     pipeline   ranks 0..D-1 (D = W - S, S = --target-stages): the target's embedding and LM head, and the
                drafter, sharded (as shard) among themselves; ranks D..W-1: one contiguous stage of the
                target's layers each. Each micro-batch's tapped hidden states go from the stages to the
-               drafter ranks by point-to-point sends (dflash.train.pipeline).
+               drafter ranks by point-to-point sends (dflash.train.parallel.pipeline).
 
 Every layout computes the gradient one process computes on the whole global micro-batch, so a run's
 losses and weights do not depend on the layout or the world size (to float rounding). What each name means

@@ -1,6 +1,6 @@
 """--layout pipeline: the frozen target's layers in stages on some ranks, the drafter trained on the others.
 
-Who holds what (W ranks, S = --target-stages, D = W - S; dflash.train.layouts.pipeline_roles; the
+Who holds what (W ranks, S = --target-stages, D = W - S; dflash.train.parallel.layouts.pipeline_roles; the
 drafter ranks come first, so rank 0 is the one that logs, as under every layout):
     ranks 0..D-1     drafter ranks: the target's embedding and LM head (frozen, no decoder layer), and the
                      drafter with its gradients and AdamW state sharded among themselves (FSDP2, as --layout
@@ -33,7 +33,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from dflash.train.layouts import PipelineRoles
+from dflash.train.parallel.layouts import PipelineRoles
 
 log = logging.getLogger("dflash.train")
 
@@ -234,7 +234,7 @@ def place(config, d, load, load_items, stop):
     """
     from dflash.distributed import Dist
     from dflash.io.fit import target_shape
-    from dflash.train.layouts import pipeline_roles
+    from dflash.train.parallel.layouts import pipeline_roles
 
     if config.io.target:  # too many stages for the target's layers: refused before any weight loads
         pipeline_roles(config, d.world_size, target_shape(config.io.target).num_layers)

@@ -1,5 +1,5 @@
 """The drafters of one several-drafter run side by side: one table and one plot (`dflash report RUN_DIR` of
-such a run also writes each drafter's own report, dflash.train.run_report).
+such a run also writes each drafter's own report, dflash.train.records.run_report).
 
     RUN_DIR/report/compare.md     per drafter: its settings, last training and evaluation loss, accuracy,
                                   tau (measured, replayed, estimated: whichever the run recorded) and the
@@ -8,7 +8,7 @@ such a run also writes each drafter's own report, dflash.train.run_report).
                                   acceptance a_k of each drafter's last record (right: its last evaluation,
                                   else its last training step)
 
-Each drafter's records are read as its own report reads them (dflash.train.run_report.read_records).
+Each drafter's records are read as its own report reads them (dflash.train.records.run_report.read_records).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from dflash.config.drafters import DRAFTERS_DIR, read_plan
 from dflash.errors import ConfigError
-from dflash.train.run_report import _fmt, _series, read_config, read_records
-from dflash.train.rundir import RunDir
+from dflash.train.records.run_report import _fmt, _series, read_config, read_records
+from dflash.train.records.rundir import RunDir
 
 SETTINGS = ("block_size", "drafter_layers", "sliding_window", "gamma", "lr", "max_anchors")
 

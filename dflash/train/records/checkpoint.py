@@ -1,6 +1,6 @@
 """Checkpoints that survive a crash mid-write, and resume that refuses what does not fit.
 
-Layout of the run directory's checkpoints/ (the run directory itself: dflash.train.rundir):
+Layout of the run directory's checkpoints/ (the run directory itself: dflash.train.records.rundir):
 
     checkpoints/latest             name of the newest complete checkpoint (replaced atomically)
     checkpoints/step-00000300/     one checkpoint
@@ -63,8 +63,8 @@ def step_dir_name(step: int) -> str:
 def publish(tmp: Path, final: Path) -> None:
     """Make the complete checkpoint `tmp` visible as `final` and point `latest` at it. The same step
     written twice (a stop right after a resume): the old one is swapped out, then dropped. Its manifest
-    (dflash.train.manifest) is written first: the last write into it."""
-    from dflash.train.manifest import write_manifest
+    (dflash.train.records.manifest) is written first: the last write into it."""
+    from dflash.train.records.manifest import write_manifest
 
     write_manifest(tmp)
     root, old = final.parent, None

@@ -1,5 +1,5 @@
 """A checkpoint's manifest: the size and sha256 of every file in it, written last, just before the
-rename publishes the checkpoint (dflash.train.checkpoint.publish), and compared on --resume before the
+rename publishes the checkpoint (dflash.train.records.checkpoint.publish), and compared on --resume before the
 target loads (dflash.train.precheck).
 
 safetensors, torch.load and DCP read a file whose bytes changed inside tensor data without an error: a

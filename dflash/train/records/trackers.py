@@ -17,7 +17,7 @@ import math
 
 from dflash.config import check_report_to
 from dflash.errors import ConfigError
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 
 # Where each tracker comes from: its import name and the install command a missing one prints.
 _PACKAGES = {"tensorboard": ("tensorboard", "pip install tensorboard"),

@@ -3,18 +3,18 @@ a time, and the refusal to start a new run over an old one.
 
     <out>/config.json        the run's resolved TrainConfig, nested JSON (a valid --config; --resume reads it)
     <out>/train.log          the log (rank 0)
-    <out>/metrics.jsonl      one record per optimizer step and per evaluation (dflash.train.monitor)
-    <out>/checkpoints/       step-NNNNNNNN/ and `latest` (inside a checkpoint: dflash.train.checkpoint)
+    <out>/metrics.jsonl      one record per optimizer step and per evaluation (dflash.train.records.monitor)
+    <out>/checkpoints/       step-NNNNNNNN/ and `latest` (inside a checkpoint: dflash.train.records.checkpoint)
     <out>/drafter/           the final drafter, in the layout vLLM and SGLang serve
     <out>/drafters/NAME/     with several drafters per run (dflash.train.multi): each drafter's own run
                              directory (config.json, metrics.jsonl, checkpoints/, drafter/, report/)
-    <out>/report/            plots and report.md (dflash.train.run_report)
+    <out>/report/            plots and report.md (dflash.train.records.run_report)
     <out>/tensorboard/       --report-to tensorboard; wandb/ with --report-to wandb (wandb names it)
     <out>/demo-data.jsonl    the demo's conversations, answered by the demo target
     <out>/eval.json          the demo's final evaluation
     <out>/.run.lock          held by the run writing here; it keeps the holder's pid
 
-(The heartbeat is not in the run directory: $DFLASH_HEARTBEAT, dflash.train.heartbeat.)
+(The heartbeat is not in the run directory: $DFLASH_HEARTBEAT, dflash.train.records.heartbeat.)
 
 A run holds the lock on its directory from before its first write to its end (`claim`); under torchrun
 rank 0 holds it for all ranks, which share the directory. A second run into the same directory stops at
@@ -98,7 +98,7 @@ class RunDir:
 
     def _checkpoint_config(self) -> Path | None:
         """The train_config.json of the checkpoint `latest` names (or of the newest one), if it is there."""
-        from dflash.train.checkpoint import read_latest
+        from dflash.train.records.checkpoint import read_latest
 
         if not self.checkpoints.is_dir():
             return None
@@ -125,7 +125,7 @@ class RunDir:
         return any(p.exists() for p in (self.config, self.metrics, self.checkpoints, self.drafter, self.drafters))
 
     def _describe(self) -> str:
-        from dflash.train.checkpoint import read_latest
+        from dflash.train.records.checkpoint import read_latest
 
         found = [p.name + ("/" if p.is_dir() else "") for p in (self.config, self.metrics, self.checkpoints,
                                                                  self.drafter, self.drafters) if p.exists()]

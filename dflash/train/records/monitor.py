@@ -4,13 +4,13 @@
 
 After every optimizer step the trainer hands its record to `RunMonitor.step`, which adds
     tokens_per_s   real tokens of all ranks per second, averaged since the last log line
-    mfu            model FLOPs utilisation of this GPU (dflash.train.mfu; GPU only)
+    mfu            model FLOPs utilisation of this GPU (dflash.train.probes.mfu; GPU only)
     gpu_mem_gib    peak GPU memory allocated since the previous step (GPU only)
 and, on rank 0, appends it to <out>/metrics.jsonl ("split": "train"), logs every --log-every steps and
 sends it to the --report-to trackers. Every --eval-every steps, and at the end of a run with an evaluation
 split, it evaluates (the trainer's dflash.train.evaluation.SplitEvaluator; every rank takes part) and
 writes a "split": "eval" record the same ways. At the end, rank 0 writes the run report
-(dflash.train.run_report: plots and a summary). The time an evaluation takes is not counted in tokens/s.
+(dflash.train.records.run_report: plots and a summary). The time an evaluation takes is not counted in tokens/s.
 
 Data flows one way: the monitor gets what it needs when the run starts (MonitorPlan, the run directory,
 the FLOP counter, the evaluator) and the records as they come; it reads nothing back from the trainer.
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from dflash.distributed import Dist
-from dflash.train.mfu import StepFlops, peak_flops
-from dflash.train.rundir import RunDir
-from dflash.train.trackers import open_trackers
+from dflash.train.probes.mfu import StepFlops, peak_flops
+from dflash.train.records.rundir import RunDir
+from dflash.train.records.trackers import open_trackers
 
 log = logging.getLogger("dflash.train")
 
@@ -182,7 +182,7 @@ class RunMonitor:
         finally:
             self.trackers.close()
         if self.d.is_main and self.run.metrics.exists():
-            from dflash.train.run_report import write_report
+            from dflash.train.records.run_report import write_report
 
             try:
                 log.info("report %s", write_report(self.run.root))

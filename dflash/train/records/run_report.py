@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash.errors import ConfigError, DflashError
-from dflash.train.rundir import RunDir
+from dflash.train.records.rundir import RunDir
 
 log = logging.getLogger("dflash.train")
 

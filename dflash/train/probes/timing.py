@@ -1,6 +1,6 @@
 """Timing on a device: clock reads that wait for the GPU, medians of repeated calls, a measured matmul peak.
 
-The benchmarks under bench/ and dflash.train.step_numerics time the trainer's code with these:
+The benchmarks under bench/ and dflash.train.probes.step_numerics time the trainer's code with these:
 
     sync(device)                      wait for the device's queued kernels (a no-op on a CPU)
     free_memory(device)               collect garbage and return cached CUDA blocks before the next variant
