@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash.errors import DrafterError
-from dflash.io.drafter_dir import CONFIG_NAME
 from dflash.model.drafter import DrafterConfig
 
 
@@ -26,10 +25,7 @@ def target_shape(path) -> TargetShape:
     from its config.json alone."""
     from dflash.model.target import read_target_config, resolve_target
 
-    path = resolve_target(path)
-    if not (path / CONFIG_NAME).is_file():
-        raise DrafterError(f"{path} is not a model directory (no {CONFIG_NAME}); pass the target's local directory")
-    text = read_target_config(path).get_text_config()
+    text = read_target_config(resolve_target(path)).get_text_config()  # a TargetError names a missing or bad config.json
     return TargetShape(int(text.hidden_size), int(text.num_hidden_layers), int(text.vocab_size),
                        int(getattr(text, "max_position_embeddings", None) or 40960))
 

@@ -167,23 +167,67 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
         raise _damaged(last, *problem)
 
 
-def check_memory(config: TrainConfig, world_size: int, device, card_gb_for_tests: float | None = None) -> None:
+def drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target) -> dict[str, list[int]]:
+    """Each drafter's tapped target layers, checked against the target's config.json (or the `target` given)
+    before any weight loads (one target pass taps their union: dflash.train.parallel.taps)."""
+    from dflash.train.parallel.taps import tapped_layers
+
+    if target is not None:
+        return tapped_layers(configs, target.num_layers, loaded=target.layer_ids)
+    from dflash.io.fit import target_shape
+
+    for name, cfg in configs.items():  # a drafter's own layers: in range, and ones the serving engines tap
+        if cfg.model.target_layer_ids != config.model.target_layer_ids:
+            try:
+                check_target_cheaply(cfg)
+            except DflashError as exc:
+                raise type(exc)(f"drafter '{name}': {exc}") from None
+    if config.model.init_drafter:  # its config.json fixes the layers of every drafter
+        from dflash.io.drafter_dir import read_drafter_config
+
+        return {name: list(read_drafter_config(config.model.init_drafter).target_layer_ids) for name in configs}
+    return tapped_layers(configs, target_shape(config.io.target).num_layers)
+
+
+def check_memory(config: TrainConfig, configs: dict[str, TrainConfig], layers: dict[str, list[int]], world: int,
+                 device, card_gb_for_tests: float | None = None) -> None:
     """The run's layout and micro-batch against the memory model (dflash.plan.planner.check_training_fits):
     the card's memory is what this process may use on `device` (None on a CPU: no check), or
-    `card_gb_for_tests`, the seam through which a CPU test stands in a card of that size."""
+    `card_gb_for_tests`, the seam through which a CPU test stands in a card of that size. Several drafters on
+    one target pass: their states add up, one drafter's activations at a time, the largest anchors any of them
+    samples."""
     from dflash.plan.planner import check_training_fits, visible_card_gb
+    from dflash.plan.sizes import drafter_shape, target_shape_from_dir
     from dflash.train.setup import packing
 
     card_gb = card_gb_for_tests if card_gb_for_tests is not None else visible_card_gb(device)
     packed = packing(config, device if device is not None else torch.device("cpu"))
-    check_training_fits(config, world_size, card_gb, config.runtime.layout, packed=packed)
+    if len(configs) == 1 or card_gb is None or not config.runtime.memory_check or not config.io.target:
+        check_training_fits(config, world, card_gb, config.runtime.layout, packed=packed)  # returns when unchecked
+        return
+    from dflash.model.target import resolve_target
+
+    target = target_shape_from_dir(resolve_target(config.io.target))
+    shapes = [drafter_shape(target, layers=cfg.model.drafter_layers, block_size=cfg.model.block_size,
+                            tapped=len(layers[name]), sliding_window=cfg.model.sliding_window,
+                            kind=cfg.model.drafter_kind) for name, cfg in configs.items()]
+    widest = config.replace(max_anchors=max(cfg.model.max_anchors for cfg in configs.values()))
+    check_training_fits(widest, world, card_gb, config.runtime.layout, packed=packed, drafters=shapes)
 
 
-def check_before_loading(config: TrainConfig, *, data: bool = True, target: bool = True, world_size: int = 1,
-                         device=None, card_gb_for_tests: float | None = None) -> None:
+def check_before_loading(config: TrainConfig, configs: dict[str, TrainConfig], *, data: bool = True, target=None,
+                         world_size: int = 1, device=None, card_gb_for_tests: float | None = None
+                         ) -> dict[str, list[int]]:
+    """Every check above, for the run of `config` training `configs` ({name: config}, {"": config} for one
+    drafter): the data (unless given: `data` False), the target (unless given as `target`), each drafter's
+    checkpoint to resume, their tapped layers, and the memory. Returns each drafter's tapped layers."""
     if data:
         check_data_paths(config)
-    if target:
+    if target is None:
         check_target_cheaply(config)
-        check_memory(config, world_size, device, card_gb_for_tests)
-    check_resume_checkpoint(config)
+    for cfg in configs.values():
+        check_resume_checkpoint(cfg)
+    layers = drafter_layers(config, configs, target)
+    if target is None:
+        check_memory(config, configs, layers, world_size, device, card_gb_for_tests)
+    return layers

@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from dflash import distributed
 from dflash.config import TrainConfig
+from dflash.config.drafters import write_plan
 from dflash.data.batches import load_items
 from dflash.errors import SAID_BY_RANK_0, DflashError
 from dflash.train.records import checkpoint as ckpt
 from dflash.train.parallel import layouts, pipeline
 from dflash.train.evaluation import eval_split
 from dflash.train.lane import TrainResult
-from dflash.train.loop import TrainingLoop
+from dflash.train.loop import LoopResult, TrainingLoop
 from dflash.train.records.monitor import claimed_run
 from dflash.train.precheck import check_before_loading
 from dflash.train.records.rundir import RunDir
 from dflash.train.setup import attention_impl, load_target, padded_options_unused
+from dflash.train.parallel.taps import union
 from dflash.train.signals import StopFlag
 
 log = logging.getLogger("dflash.train")
@@ -48,54 +51,86 @@ def train(config: TrainConfig, *, target=None, items: list[dict] | None = None,
     --resume or --overwrite). `card_gb_for_tests` stands in a card of that many GB for the memory check
     (dflash.train.precheck.check_memory), which otherwise reads the visible GPU and skips a CPU.
     """
+    result = run_drafters(config, {"": config}, target=target, items=items, handle_signals=handle_signals,
+                          on_step=(lambda step, records: on_step(step, records[""])) if on_step else None,
+                          card_gb_for_tests=card_gb_for_tests)
+    if "" in result.results:
+        return result.results[""]
+    return TrainResult(drafter=None, step=0, stopped_by=result.stopped_by, exit_code=result.exit_code)  # a stage rank
+
+
+def run_drafters(config: TrainConfig, configs: dict[str, TrainConfig], *, specs: list | None = None, target=None,
+                 items: list[dict] | None = None, on_step: Callable[[int, dict], bool] | None = None,
+                 handle_signals: bool = True, card_gb_for_tests: float | None = None) -> LoopResult:
+    """The life of a run of the drafters `configs` ({name: config}; {"": config} is train()'s one drafter)
+    on one pass of `config`'s target and data: its process group and run directory, the checks that cost
+    seconds, the target (in pipeline stages where the layout says) and data loaded once, the loop, and the
+    errors a user can act on. `specs`: the `drafters` list of a --config file (dflash.train.multi), written
+    beside the run."""
     layouts.check_layout(config)  # before any process group or weight
     with layouts.joined(config) as d, claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
         loop = None
         try:
-            attention_impl(config, d.device)  # a bad --attention fails before the target loads
-            check_before_loading(config, data=items is None, target=target is None,  # seconds, not minutes
-                                 world_size=d.world_size, device=d.device, card_gb_for_tests=card_gb_for_tests)
+            for cfg in configs.values():
+                attention_impl(cfg, d.device)  # a bad --attention fails before the target loads
+            layers = check_before_loading(config, configs, data=items is None, target=target,  # seconds, not minutes
+                                          world_size=d.world_size, device=d.device, card_gb_for_tests=card_gb_for_tests)
+            tapping = config.replace(target_layer_ids=union(layers)) if not config.model.init_drafter else config
             if config.layout.target_in_stages:  # stage ranks serve the target until the drafter ranks end
-                target, d, items = pipeline.place(config, d, lambda: target or load_target(config, d.device, cpu=True),
+                target, d, items = pipeline.place(config, d, lambda: target or load_target(tapping, d.device, cpu=True),
                                                   lambda t: load_items(config, t) if items is None else items, stop)
                 if target is None:  # a stage rank, done serving
-                    return TrainResult(drafter=None, step=0, stopped_by=stop.reason,
-                                       exit_code=stop.exit_code if stop else 0)
-            if target is None:
-                target = load_target(config, d.device)
+                    return LoopResult(stopped_by=stop.reason, exit_code=stop.exit_code if stop else 0)
+            if target is None:  # tapping every drafter's layers
+                target = load_target(tapping, d.device)
             if items is None:
                 items = load_items(config, target)
             items, eval_items = eval_split(config, target, items)
             if d.is_main:
-                config.to_json(run.config)
-            loop = TrainingLoop({"": config}, target, items, d, stop, eval_items=eval_items,
-                                on_step=(lambda step, records: on_step(step, records[""])) if on_step else None)
+                _write_configs(run, config, configs, specs)
+            loop = TrainingLoop(configs, target, items, d, stop, on_step, eval_items, layers)
             if config.io.resume:
                 loop.restore()
-            lane = loop.first
-            batches = (f"packed rows of {config.optim.pack_tokens} tokens with {config.optim.pack_anchors} anchors"
-                       if lane.packed else "padded length-bucketed batches")
-            log.info("training %d steps on %d sequences, world size %d, device %s, %s, %s attention, %s",
-                     loop.total_steps, len(items), d.world_size, d.device, lane.autocast_dtype,
-                     lane.drafter.attention, batches)
-            if lane.packed and d.is_main and (note := padded_options_unused(config)):
-                log.warning("%s", note)
-            result = loop.run().results[""]
+            _say_what_trains(loop, configs, len(items), d)
+            result = loop.run()
             getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop
             return result
         except DflashError as exc:  # also in train.log, where a run's story is read afterwards
             if d.is_main or not isinstance(exc, SAID_BY_RANK_0):  # a refusal: rank 0's line says it for all
                 log.error("stopped: %s", exc)
             raise
-        except Exception as exc:
-            error = known_fault(exc, config, run, d, loop.step if loop else 0)
+        except Exception as exc:  # a full disk, a lost rank: the drafters checkpoint at the same steps
+            first = RunDir(next(iter(configs.values())).io.out)
+            error = known_fault(exc, config, first, d, loop.step if loop else 0)
             if error is None:
                 raise
             log.error("stopped: %s", error)  # in train.log too, when it can be written
             raise error from None
         finally:
             stop.uninstall()
+
+
+def _write_configs(run: RunDir, config: TrainConfig, configs: dict[str, TrainConfig], specs: list | None) -> None:
+    """The run's config.json; with a `drafters` list, that list (for --resume) and each drafter's config.json."""
+    config.to_json(run.config)
+    if specs:
+        write_plan(run.root, specs)
+        for cfg in configs.values():
+            Path(cfg.io.out).mkdir(parents=True, exist_ok=True)
+            cfg.to_json(RunDir(cfg.io.out).config)
+
+
+def _say_what_trains(loop: TrainingLoop, configs: dict[str, TrainConfig], sequences: int, d: distributed.Dist) -> None:
+    lane, config = loop.first, loop.config
+    batches = (f"packed rows of {config.optim.pack_tokens} tokens with {config.optim.pack_anchors} anchors"
+               if lane.packed else "padded length-bucketed batches")
+    what = f"{len(configs)} drafters ({', '.join(configs)}) for " if len(configs) > 1 else ""
+    log.info("training %s%d steps on %d sequences%s, world size %d, device %s, %s, %s attention, %s", what,
+             loop.total_steps, sequences, ", one target pass" if len(configs) > 1 else "", d.world_size, d.device,
+             lane.autocast_dtype, lane.drafter.attention, batches)
+    if lane.packed and d.is_main and (note := padded_options_unused(config)):
+        log.warning("%s", note)
 
 
 def known_fault(exc: Exception, config: TrainConfig, run: RunDir, d: distributed.Dist, step: int) -> DflashError | None:

@@ -131,7 +131,7 @@ def _sweep_fits(target, tmp_path, layers: list[int]) -> None:
     the micro-batch the run was measured at (2 x 4096 tokens, 512 anchors per sequence, padded)."""
     from dflash.config import TrainConfig
     from dflash.config.drafters import DrafterSpec, drafter_configs
-    from dflash.train.multi import check_memory
+    from dflash.train.precheck import check_memory
 
     config = TrainConfig.from_flat(target=str(target), data=str(tmp_path / "d.jsonl"), out=str(tmp_path / "o"),
                                    packing="off", batch_size=2, max_length=4096, max_tokens=8192, max_anchors=512)
