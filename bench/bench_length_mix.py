@@ -11,9 +11,11 @@ takes them from a file: one length per line, or a chat JSONL ({"messages": [...]
 template of --tokenizer DIR. Tokens are random ids (speed does not depend on them); the first third of each
 sequence is the prompt (loss mask 0), the rest the answer.
 
-Both variants run the real training loop (`dflash.train.train`) on the same sequences in one process:
-    padded   --packing off, --batch-size sequences per micro-batch, at most --max-tokens padded tokens
-    packed   --packing on, one row of --pack-tokens tokens with --pack-anchors anchors per micro-batch
+Every variant runs the real training loop (`dflash.train.train`) in one process:
+    fixed    the fixed shape bench_train measures: --batch-size sequences of --max-length tokens each (the first
+             third prompt, as in the mix), --anchors anchors per sequence; the yardstick the packed run is held to
+    padded   the mix, --packing off, --batch-size sequences per micro-batch, at most --max-tokens padded tokens
+    packed   the mix, --packing on, one row of --pack-tokens tokens with --pack-anchors anchors per micro-batch
 and each reports: useful tokens/s (real tokens only, after --warmup steps), graphs compiled after the first
 step (recompiles: a packed run has none), median and max step time after warm-up, and peak GPU memory.
 """
@@ -83,8 +85,9 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run_variant(target, items: list[dict], args, packed: bool, device: torch.device) -> dict:
+def run_variant(target, items: list[dict], args, variant: str, device: torch.device) -> dict:
     """One training run of `args.steps + args.warmup` steps; per-step times and the figures above."""
+    packed = variant == "packed"
     stamps, graphs = [], []
 
     def on_step(step, m):
@@ -106,7 +109,7 @@ def run_variant(target, items: list[dict], args, packed: bool, device: torch.dev
         train(cfg, target=target, items=items, on_step=on_step, handle_signals=False)
     times = [b[0] - a[0] for a, b in zip([(start, 0)] + stamps, stamps)]
     timed, tokens = times[args.warmup:], [t for _, t in stamps[args.warmup:]]
-    row = {"variant": "packed" if packed else "padded", "steps": len(stamps),
+    row = {"variant": variant, "steps": len(stamps),
            "useful_tokens_per_s": sum(tokens) / sum(timed), "median_step_s": statistics.median(timed),
            "max_step_s": max(timed), "first_step_s": times[0],
            "recompiles_after_first_step": graphs[-1] - graphs[0] if graphs else 0,
@@ -129,8 +132,11 @@ def report(rows: list[dict], fixed: float | None) -> str:
     if {"padded", "packed"} <= by.keys():
         lines.append(f"packed / padded useful tokens/s: "
                      f"{by['packed']['useful_tokens_per_s'] / by['padded']['useful_tokens_per_s']:.2f}x")
-    if fixed and "packed" in by:
-        lines.append(f"packed / the fixed-shape figure ({fixed:.0f} tokens/s): {by['packed']['useful_tokens_per_s'] / fixed:.2f}x")
+    fixed = by["fixed"]["useful_tokens_per_s"] if "fixed" in by else fixed
+    for variant in ("padded", "packed"):
+        if fixed and variant in by:
+            lines.append(f"{variant} / the fixed-shape figure ({fixed:.0f} tokens/s): "
+                         f"{by[variant]['useful_tokens_per_s'] / fixed:.2f}x")
     return "\n".join(lines)
 
 
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default=None, help="27b (Qwen3.5-27B's shape) or large (--hidden/--layers/--vocab); "
                    "default: large on a CPU at toy size, 27b on a GPU")
-    p.add_argument("--variants", default="padded,packed")
+    p.add_argument("--variants", default="padded,packed", help="any of fixed, padded, packed, in the order to run")
     p.add_argument("--kind", default=DEFAULT, choices=names())
     p.add_argument("--data", type=Path, help="take the lengths from this file (module docstring)")
     p.add_argument("--tokenizer", help="a model directory whose chat template tokenises a chat JSONL --data")
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--fixed-tokens-per-s", type=float, default=None,
-                   help="the fixed 2 x 4096 figure to compare the packed run with (bench_train.py's)")
+                   help="the fixed-shape figure to compare with, where the fixed variant is not run here")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -175,13 +181,16 @@ def main(argv=None) -> int:
                chat_mix(args.sequences, args.seed, args.max_length))
     print(json.dumps({"sequences": len(lengths), "median_length": statistics.median(lengths),
                       "min": min(lengths), "max": max(lengths), "preset": preset, "kind": args.kind}), flush=True)
-    items = items_of(lengths, target.vocab_size, args.seed)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for variant in variants:
+        if variant not in ("fixed", "padded", "packed"):
+            p.error(f"unknown variant {variant!r}; choose from fixed, padded, packed")
+    mix = items_of(lengths, target.vocab_size, args.seed)
     rows = []
-    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        if variant not in ("padded", "packed"):
-            p.error(f"unknown variant {variant!r}; choose from padded, packed")
+    for variant in variants:
+        items = mix if variant != "fixed" else items_of([args.max_length] * len(lengths), target.vocab_size, args.seed)
         try:
-            rows.append(run_variant(target, items, args, variant == "packed", device))
+            rows.append(run_variant(target, items, args, variant, device))
         except Exception as e:  # one failing variant must not lose the other's figures
             rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
             free_memory(device)

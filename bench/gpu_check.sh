@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# The GPU evidence of README "Performance", in one run on a machine with an NVIDIA GPU and a Python that
-# has torch 2.11 (no compiler, no network needed):
+# The GPU evidence of README "Performance" on a machine with an NVIDIA GPU and a Python that has torch 2.11
+# (no compiler, no network needed):
 #
 #   bench/gpu_check.sh OUT WHEEL_DIR [WHEELHOUSE]
+#   STEPS="doctor mix fp8" bench/gpu_check.sh OUT WHEEL_DIR [WHEELHOUSE]     some steps only
 #
 #   WHEEL_DIR   a folder written by wheelbuilder (the wheels + manifest.json), e.g. dist/wheels/cu130-sm90,
 #               built on a CPU machine: python -m wheelbuilder build --target cu130-sm90 --python 3.12
 #   WHEELHOUSE  wheels of the runtime lock the machine lacks (fla, transformers, pyelftools, ...), e.g. from
 #               pip download --no-deps --require-hashes -r <filtered locks/cu130/runtime.txt>
 #
-# Steps (each under its own time limit; a failed step is reported and the next one still runs):
-#   1. wheelbuilder verify (sha256 against the manifest), audit (SASS arches from the ELF) vs the GPU's
-#      compute capability; install the wheels into a private prefix (nothing system-wide changes)
-#   2. dflash doctor --json                               -> OUT/doctor.json           (must pass)
-#   3. the same with causal-conv1d removed                -> OUT/doctor-no-conv1d.json (must fail, naming the check)
-#   4. the GPU test tier (pytest -m gpu over the test files that have GPU tests)
-#   5. bench/bench_kernels.py                             -> OUT/kernels.json
-#   6. bench/bench_train.py --presets 27b, sdpa vs flex   -> OUT/train-27b.json
-#   7. bench/bench_length_mix.py --preset 27b: a chat-like mix, padded vs packed -> OUT/length-mix-27b.json,
-#      and a DFlash2 drafter packed                  -> OUT/length-mix-27b-dflash2.json
+# Always first: wheelbuilder verify (sha256 against the manifest), audit (SASS arches from the ELF) vs the GPU's
+# compute capability; install the wheels into a private prefix (nothing system-wide changes). Then the STEPS
+# (default: all, in this order; each under its own time limit; a failed step is reported and the next one runs):
+#   doctor        dflash doctor --json -> OUT/doctor.json (must pass); again without causal-conv1d
+#                 -> OUT/doctor-no-conv1d.json (must fail, naming the check)
+#   tests         the GPU test tier (pytest -m gpu over the test files that have GPU tests), printed values kept
+#   kernels       bench/bench_kernels.py -> OUT/kernels.json
+#   train         bench/bench_train.py --presets 27b, sdpa vs flex -> OUT/train-27b.json
+#   mix           bench/bench_length_mix.py --preset 27b: the fixed 2 x 4096 shape, then a chat-like mix padded
+#                 and packed, one process -> OUT/length-mix-27b.json
+#   mix-dflash2   the same for a DFlash2 drafter, fixed and packed -> OUT/length-mix-27b-dflash2.json
+#   fp8           bench/bench_fp8.py: an FP8 target against bf16 -> OUT/fp8-27b.json
+#   fp8-cap       the same loops under a 102 GB cap (--layout replicate on a 96 GB card) -> OUT/fp8-27b-cap102.json
 # Everything printed also goes to OUT/gpu_check.log.
 set -uo pipefail
 
@@ -30,6 +34,8 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 PREFIX=${DFLASH_GPU_PREFIX:-/tmp/dflash-gpu-check}
 TRAIN_ARGS=${TRAIN_ARGS:---steps 6 --warmup 2 --reps 3}
 MIX_ARGS=${MIX_ARGS:---steps 24 --warmup 6 --sequences 2000}
+STEPS=" ${STEPS:-doctor tests kernels train mix mix-dflash2 fp8 fp8-cap} "
+wanted() { [[ "$STEPS" == *" $1 "* ]]; }
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PREFIX:$REPO"
@@ -78,29 +84,36 @@ for c in report["checks"]:
     print(f"  {c['status']:<5} {c['name']:<10} {c['reason']}")
 PYEOF
 }
-step doctor 120 "$PY" -m dflash.cli doctor --json --require-gpu > "$OUT/doctor.json"
-summary "$OUT/doctor.json"
-mkdir -p "$PREFIX.removed" && mv "$PREFIX"/causal_conv1d* "$PREFIX.removed"/
-echo "=== doctor without causal-conv1d (must fail)"
-timeout 120 "$PY" -m dflash.cli doctor --json --require-gpu > "$OUT/doctor-no-conv1d.json"
-rc=$?
-echo "=== doctor without causal-conv1d: exit $rc"
-[ $rc -ne 0 ] || failed+=("doctor-no-conv1d (passed although the extension is gone)")
-summary "$OUT/doctor-no-conv1d.json"
-mv "$PREFIX.removed"/* "$PREFIX"/ && rmdir "$PREFIX.removed"
+if wanted doctor; then
+    step doctor 120 "$PY" -m dflash.cli doctor --json --require-gpu > "$OUT/doctor.json"
+    summary "$OUT/doctor.json"
+    mkdir -p "$PREFIX.removed" && mv "$PREFIX"/causal_conv1d* "$PREFIX.removed"/
+    echo "=== doctor without causal-conv1d (must fail)"
+    timeout 120 "$PY" -m dflash.cli doctor --json --require-gpu > "$OUT/doctor-no-conv1d.json"
+    rc=$?
+    echo "=== doctor without causal-conv1d: exit $rc"
+    [ $rc -ne 0 ] || failed+=("doctor-no-conv1d (passed although the extension is gone)")
+    summary "$OUT/doctor-no-conv1d.json"
+    mv "$PREFIX.removed"/* "$PREFIX"/ && rmdir "$PREFIX.removed"
+fi
 
-# 4-6. the GPU tests, then the benchmarks
-# shellcheck disable=SC2046
-step pytest-gpu 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider $(grep -rl --include='test_*.py' "mark.gpu" "$REPO"/tests)
-step kernels 100 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
+# the GPU tests, then the benchmarks
+if wanted tests; then
+    # shellcheck disable=SC2046
+    step pytest-gpu 240 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider $(grep -rl --include='test_*.py' "mark.gpu" "$REPO"/tests)
+fi
+wanted kernels && step kernels 100 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
 # shellcheck disable=SC2086
-step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
+wanted train && step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
     --json "$OUT/train-27b.json"
 # shellcheck disable=SC2086
-step length-mix-27b 540 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b $MIX_ARGS --json "$OUT/length-mix-27b.json"
+wanted mix && step length-mix-27b 480 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --variants fixed,padded,packed \
+    $MIX_ARGS --json "$OUT/length-mix-27b.json"
 # shellcheck disable=SC2086
-step length-mix-27b-dflash2 540 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --kind dflash2 --variants packed \
-    $MIX_ARGS --json "$OUT/length-mix-27b-dflash2.json"
+wanted mix-dflash2 && step length-mix-27b-dflash2 360 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --kind dflash2 \
+    --variants fixed,packed $MIX_ARGS --json "$OUT/length-mix-27b-dflash2.json"
+wanted fp8 && step fp8-27b 330 "$PY" "$REPO/bench/bench_fp8.py" --json "$OUT/fp8-27b.json"
+wanted fp8-cap && step fp8-27b-cap102 330 "$PY" "$REPO/bench/bench_fp8.py" --cap-gb 102 --json "$OUT/fp8-27b-cap102.json"
 
 echo "=== done $(date -u +%H:%M:%S); failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]
