@@ -139,11 +139,17 @@ COPY --from=wheel-build /out/ /
 FROM python-torch AS runtime-env
 ARG TARGET=cu128-sm120
 ARG TORCH_LOCK=cu128
+# The image runs offline. HF_HUB_OFFLINE=1: huggingface_hub, and `kernels` through it, read only the local
+# cache (a --target Hub id resolves from it, a kernel missing there is an error, never a download).
+# USE_HUB_KERNELS=0: transformers (5.25 depends on `kernels`) loads no kernel from the Hub at all
+# (use_kernels=True refused, its FP8/MoE kernel loader skipped); the GatedDeltaNet kernels are the locked
+# causal-conv1d wheel and fla.
 ENV PYTHONUNBUFFERED=1 \
     DFLASH_TARGET=${TARGET} \
     DFLASH_STATE_DIR=/tmp/dflash \
     DFLASH_TARGETS_FILE=/opt/dflash/src/targets.toml \
-    HF_HUB_OFFLINE=1
+    HF_HUB_OFFLINE=1 \
+    USE_HUB_KERNELS=0
 # gcc + libc headers + Python headers: Triton compiles a small C launcher at first use (and nothing
 # else of a toolchain: no nvcc, no CUDA headers). tini reaps and forwards signals.
 RUN apt-get update -qq \

@@ -17,4 +17,14 @@ Imports go one way: errors, distributed -> config -> data, model -> io -> decode
 doctor -> cli.
 """
 
+import os
+
 __version__ = "0.1.0"
+
+# transformers 5.25 depends on `kernels`, which loads kernels from the Hugging Face Hub at run time (a model
+# loaded with use_kernels=True, transformers' FP8 and MoE matmuls, ...). The GatedDeltaNet kernels of this
+# project come from the locked wheels (causal-conv1d, fla), and the image runs offline, so hub kernels are
+# off from the first dflash import unless the environment names USE_HUB_KERNELS itself (transformers reads
+# it at each call: integrations/hub_kernels.py, _kernels_enabled). docs/images.md, "Offline".
+HUB_KERNELS_ENV = "USE_HUB_KERNELS"
+os.environ.setdefault(HUB_KERNELS_ENV, "0")

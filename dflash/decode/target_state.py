@@ -1,6 +1,6 @@
 """The target's caches during speculative decoding, and their exact rollback after a rejected draft.
 
-transformers 5.24 builds `DynamicCache(config=...)` with one cache layer per decoder layer:
+transformers (5.24, 5.25) builds `DynamicCache(config=...)` with one cache layer per decoder layer:
 
     attention layer       DynamicLayer           keys, values   [B, kv_heads, T, head_dim]
     GatedDeltaNet layer   LinearAttentionLayer   conv state     [B, conv_dim, kernel]    (last `kernel` inputs)

@@ -174,8 +174,8 @@ def _new_model(spec: DemoSpec, tokenizer):
 
 
 def _route_kernels(model) -> None:
-    # transformers 5.24 sends CPU tensors to fla's Triton kernels when fla is installed; route them
-    # to the torch references as the target does (see dflash.target).
+    # transformers 5.24 sends CPU tensors to fla's Triton kernels when fla is installed (5.25 no longer
+    # does); route them to the torch references as the target does (see dflash.model.kernels).
     from dflash.model.kernels import route_kernels_by_device
 
     route_kernels_by_device(sys.modules[type(model).__module__])

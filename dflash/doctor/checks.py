@@ -114,12 +114,14 @@ def check_versions() -> CheckResult:
 
     found = {
         "torch": torch.__version__, "cuda_runtime": torch.version.cuda,
-        "transformers": dist_version("transformers"), "fla-core": dist_version("fla-core"),
+        "transformers": dist_version("transformers"), "kernels": dist_version("kernels"),
+        "fla-core": dist_version("fla-core"),
         "flash-linear-attention": dist_version("flash-linear-attention"), "triton": dist_version("triton"),
         "causal-conv1d": dist_version(CONV_DIST),
     }
     summary = (f"torch {found['torch']} (CUDA {found['cuda_runtime'] or 'none: CPU-only build'}), "
-               f"transformers {found['transformers']}, fla {found['fla-core']}, triton {found['triton']}, "
+               f"transformers {found['transformers']} (kernels {found['kernels']}), fla {found['fla-core']}, "
+               f"triton {found['triton']}, "
                f"causal-conv1d {found['causal-conv1d']}")
     missing = [k for k in ("transformers", "fla-core", "flash-linear-attention", "triton", "causal-conv1d")
                if found[k] is None]

@@ -179,7 +179,7 @@ def _headers(path: Path) -> dict[str, tuple[str, list[int], str]]:
 
 def check_fp8_tensors(path, dequantize: bool) -> dict:
     """Every float8 weight of the FP8 directory `path` has `weight_scale_inv` of [ceil(N/128), ceil(K/128)];
-    with `dequantize` (no FP8 GPU: transformers 5.24 dequantizes at load, deriving the block from the scale
+    with `dequantize` (no FP8 GPU: transformers (5.24, 5.25) dequantizes at load, deriving the block from the scale
     grid, so a dimension over 128 that is not a multiple of 128 would be cut into wrong blocks) every such
     dimension is refused. Returns {"fp8_weights": n, "fp8_bytes": bytes of weights and scales}."""
     path = Path(path)
@@ -201,7 +201,7 @@ def check_fp8_tensors(path, dequantize: bool) -> dict:
                               f"{want} (one float32 scale per 128 x 128 block); {_REWRITE_FIX}")
         if dequantize and any(d > BLOCK and d % BLOCK for d in shape):
             raise TargetError(f"{path / file}: {key} {shape} has a partial 128-block past the first; without an "
-                              "FP8 GPU transformers 5.24 dequantizes it with the wrong block size. Load it on a GPU "
+                              "FP8 GPU transformers dequantizes it with the wrong block size. Load it on a GPU "
                               "of compute capability 8.9 or newer, or use the bf16 checkpoint")
         total += math.prod(shape) + 4 * math.prod(want)
     return {"fp8_weights": len(fp8), "fp8_bytes": total, "tensor_dtypes": {k: v[0] for k, v in tensors.items()}}

@@ -8,8 +8,8 @@ scale per output column (K / 128 steps, a compile-time count: one compile per K 
 partial edge blocks need no special case). Masked loads fill the edges with zeros.
 
 It exists because on SM 12.0 (RTX 5090, RTX PRO 6000) torch 2.11 has no block-scaled FP8 recipe (its
-1x128/128x128 path is SM 9.0 only) and transformers 5.24's own kernels are fetched from the Hub at run time
-(`kernels-community/finegrained-fp8`, DeepGEMM), which an offline training host cannot do.
+1x128/128x128 path is SM 9.0 only) and transformers' own kernels (5.24, 5.25) are fetched from the Hub at run
+time (`kernels-community/finegrained-fp8`, DeepGEMM), which an offline training host cannot do.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ added the device check. `route_kernels_by_device` applies the same rule here: CU
 resolved kernel, anything else the torch reference. `kernel_functions` is the one reader of that
 dispatch, used by the target's kernel report and the doctor's dispatch check. The convolution and the
 chunked delta rule also keep packed sequences apart (dflash.model.segment_kernels).
+
+With the `kernels` package installed (a dependency of transformers 5.25), its `use_kernel_forward_from_hub`
+turns each of those functions into a small nn.Module whose forward calls transformers' wrapper, and
+`use_kernelized_func` gives every GatedDeltaNet layer private copies of them (`layer._kernel_funcs`) that
+`kernelize` may rebind to a kernel from the Hugging Face Hub (`_kernel_repo` in the copy's `__dict__`).
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ class KernelFunction:
     fast: bool                # True when it resolved to the package's kernel, not the torch reference
     implementation: Callable  # what the wrapper calls: the package's kernel, or torch_function
     torch_function: Callable  # the torch reference
+    # The device types whose inputs the wrapper hands to the package's kernel (5.25: ("cuda",) for
+    # causal_conv1d; fla's also xpu, mlu, npu); None: every device (5.24 has no such check).
+    devices: tuple[str, ...] | None = None
 
 
-# The free variables of transformers' fallback wrapper (integrations/hub_kernels.py, 5.24) that say
-# what it resolved; a wrapper without all of them is not one this code knows how to read.
+# The free variables of transformers' fallback wrapper (integrations/hub_kernels.py, 5.24 and 5.25) that
+# say what it resolved; a wrapper without all of them is not one this code knows how to read.
 _WRAPPER_CELLS = frozenset({"func_name", "package", "implementation", "torch_function"})
 
 
@@ -45,42 +53,53 @@ def _closure(fn: Callable) -> dict:
     return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
 
 
+def _hub_function(obj) -> Callable | None:
+    """The function inside one of `kernels`' function modules (`use_kernel_forward_from_hub` applied to a
+    function makes an nn.Module whose class's forward calls it: its closure cell `func`), or None."""
+    cls = type(obj)
+    forward = cls.__dict__.get("forward") if getattr(cls, "kernel_layer_name", None) else None
+    return _closure(forward).get("func") if inspect.isfunction(forward) else None
+
+
 def _kernel_wrapper_state(fn: Callable) -> dict | None:
-    """The closure of transformers' fallback wrapper inside `fn`, following `__wrapped__` through
-    outer wrappers (a hub-kernels decorator, `_device_router`, a segment router), or None."""
+    """The closure of transformers' fallback wrapper inside `fn`, following `__wrapped__` and `kernels`'
+    function modules through outer wrappers (`_device_router`, a segment router), or None."""
     seen = 0
     while fn is not None and seen < 8:
         if inspect.isfunction(fn):
             state = _closure(fn)
             if _WRAPPER_CELLS <= state.keys():
                 return state
-        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+        fn, seen = _hub_function(fn) or getattr(fn, "__wrapped__", None), seen + 1
     return None
+
+
+def _kernel_function(attr: str, value) -> KernelFunction | None:
+    state = _kernel_wrapper_state(value) if callable(value) else None
+    if state is None:
+        return None
+    devices = state.get("supported_devices")
+    return KernelFunction(
+        name=state["func_name"], attr=attr, package=state["package"],
+        fast=state["implementation"] is not state["torch_function"],
+        implementation=state["implementation"], torch_function=state["torch_function"],
+        devices=tuple(devices) if devices is not None else None,
+    )
 
 
 def kernel_functions(module: ModuleType) -> list[KernelFunction]:
     """Every per-function kernel dispatch point a transformers modeling module defines.
 
-    transformers 5.24 wraps each with `use_kernel_func_from_hub_with_fallback(func_name, package)`,
+    transformers 5.24 and 5.25 wrap each with `use_kernel_func_from_hub_with_fallback(func_name, package)`,
     which picks the implementation ONCE, when the model module is imported: the function in
     `importlib.import_module(package)`, else the torch reference. The choice lives in the wrapper's
     closure; at call time a fallback only logs "`{func}` is falling back to its reference PyTorch
     implementation". Reading the closure tells the same without running a kernel, so it works on a
-    machine without a GPU.
+    machine without a GPU. With `kernels` installed the module attribute is `kernels`' function module
+    around that wrapper; it is read through.
     """
-    found = []
-    for attr, value in sorted(vars(module).items()):
-        if not callable(value):
-            continue
-        state = _kernel_wrapper_state(value)
-        if state is None:
-            continue
-        found.append(KernelFunction(
-            name=state["func_name"], attr=attr, package=state["package"],
-            fast=state["implementation"] is not state["torch_function"],
-            implementation=state["implementation"], torch_function=state["torch_function"],
-        ))
-    return found
+    found = [_kernel_function(attr, value) for attr, value in sorted(vars(module).items())]
+    return [fn for fn in found if fn is not None]
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -111,6 +130,8 @@ def _device_router(wrapper: Callable, torch_function: Callable) -> Callable:
 def route_kernels_by_device(module: ModuleType) -> None:
     """Make `module`'s kernel functions send non-CUDA tensors to their torch reference (idempotent).
 
+    Where transformers' wrapper checks the device itself (5.25: `devices` known) it is left to do so, and
+    the calls keep going through it (and through a kernel `kernels.kernelize` may have bound in its place).
     The convolution and the chunked delta rule are routed whether or not their kernel resolved: they also
     keep packed sequences apart (seq_idx / cu_seqlens), on the kernel or, one sequence at a time, on the
     reference (dflash.model.segment_kernels)."""
@@ -118,7 +139,9 @@ def route_kernels_by_device(module: ModuleType) -> None:
         current = getattr(module, fn.attr)
         if getattr(current, "__dflash_routed__", False):
             continue
+        guarded = fn.devices is not None
         if fn.name in SEGMENT_ROUTERS:
-            setattr(module, fn.attr, SEGMENT_ROUTERS[fn.name](current, fn.torch_function, fn.implementation, fn.fast))
-        elif fn.fast:
+            setattr(module, fn.attr, SEGMENT_ROUTERS[fn.name](current, fn.torch_function, fn.implementation, fn.fast,
+                                                              guarded))
+        elif fn.fast and not guarded:
             setattr(module, fn.attr, _device_router(current, fn.torch_function))

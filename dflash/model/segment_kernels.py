@@ -1,6 +1,6 @@
 """GatedDeltaNet kernel functions that keep the sequences of a pack apart (dflash.model.segments).
 
-The Qwen3.5 GatedDeltaNet layer (transformers 5.24, models/qwen3_5/modeling_qwen3_5.py) hands the
+The Qwen3.5 GatedDeltaNet layer (transformers 5.24 and 5.25, models/qwen3_5/modeling_qwen3_5.py) hands the
 decoder's keyword arguments on to its two sequence-mixing functions:
 
     causal_conv1d_fn(x [B,D,T], weight [D,W], bias, activation=..., **kwargs)      reads kwargs["seq_idx"]
@@ -15,8 +15,9 @@ over the flattened B*T. Where each call goes:
                                            fla's kernel with cu_seqlens, on [1,B*T,...] (fla takes batch 1
                                            with cu_seqlens) and reshaped back to [B,T,...]
     anything else, with seq_idx/cu_seqlens the torch reference on each sequence alone, concatenated
-    anything else, without them            the torch reference (the fast kernel not resolved: transformers'
-                                           own wrapper, as before)
+    anything else, without them            transformers' own wrapper, where it sends inputs its kernel cannot
+                                           take to the reference itself (5.25, or no kernel resolved: the
+                                           wrapper calls the reference); else (5.24) the torch reference
 
 Why: the torch references take **kwargs and ignore seq_idx and cu_seqlens, so called directly they carry the
 convolution window and the delta-rule state from one packed sequence into the next; transformers' wrapper
@@ -110,9 +111,11 @@ def _varlen_on_one_row(kernel: Callable, call: dict, cu_seqlens: torch.Tensor):
     return out.reshape(B, T, *out.shape[2:]), final
 
 
-def conv1d_router(wrapper: Callable, torch_function: Callable, implementation: Callable, fast: bool) -> Callable:
+def conv1d_router(wrapper: Callable, torch_function: Callable, implementation: Callable, fast: bool,
+                  guarded: bool = False) -> Callable:
     """causal_conv1d_fn as the module docstring routes it. `wrapper` is transformers' dispatching function,
-    `implementation` the kernel it resolved (its parameters say whether it takes seq_idx)."""
+    `implementation` the kernel it resolved (its parameters say whether it takes seq_idx); `guarded`: the
+    wrapper sends inputs of a device its kernel does not run on to the reference itself."""
     takes_seq_idx = "seq_idx" in inspect.signature(implementation).parameters
     reference = inspect.signature(torch_function)  # read once: the router runs in every layer's forward
 
@@ -128,7 +131,7 @@ def conv1d_router(wrapper: Callable, torch_function: Callable, implementation: C
             return wrapper(x, call["weight"], call.get("bias"), activation=call.get("activation"),
                            seq_idx=seq_idx.to(torch.int32).contiguous())
         if seq_idx is None:
-            return torch_function(*args, **kwargs) if fast else wrapper(*args, **kwargs)
+            return torch_function(*args, **kwargs) if fast and not guarded else wrapper(*args, **kwargs)
         return conv1d_by_segment(torch_function, x, call["weight"], call.get("bias"), call.get("activation"),
                                  seq_idx)
 
@@ -136,9 +139,11 @@ def conv1d_router(wrapper: Callable, torch_function: Callable, implementation: C
     return routed
 
 
-def delta_rule_router(wrapper: Callable, torch_function: Callable, implementation: Callable, fast: bool) -> Callable:
+def delta_rule_router(wrapper: Callable, torch_function: Callable, implementation: Callable, fast: bool,
+                      guarded: bool = False) -> Callable:
     """chunk_gated_delta_rule as the module docstring routes it. `wrapper` is transformers' dispatching
-    function, `implementation` the kernel it resolved (its parameters say which arguments it takes)."""
+    function, `implementation` the kernel it resolved (its parameters say which arguments it takes);
+    `guarded` as for conv1d_router."""
     kernel, reference = inspect.signature(implementation).parameters, inspect.signature(torch_function)
     takes_cu_seqlens = "cu_seqlens" in kernel
 
@@ -152,7 +157,7 @@ def delta_rule_router(wrapper: Callable, torch_function: Callable, implementatio
             return _varlen_on_one_row(wrapper, _accepted(kernel, call) | {
                 n: call[n] for n in ("query", "key", "value")}, cu_seqlens)
         if cu_seqlens is None:
-            return torch_function(*args, **kwargs) if fast else wrapper(*args, **kwargs)
+            return torch_function(*args, **kwargs) if fast and not guarded else wrapper(*args, **kwargs)
         return delta_rule_by_segment(torch_function, cu_seqlens=cu_seqlens, **_accepted(reference.parameters, call))
 
     routed.__dflash_routed__ = True

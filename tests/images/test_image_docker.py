@@ -57,6 +57,8 @@ def test_image_records_target_wheels_and_revision(runtime_image, built_wheels):
     cfg = img.attrs["Config"]
     assert cfg["Healthcheck"]["Test"] == ["CMD", "dflash", "healthcheck"]
     assert cfg["User"] == "dflash"
+    # offline: huggingface_hub reads only its cache, transformers asks `kernels` for no hub kernel
+    assert {"HF_HUB_OFFLINE=1", "USE_HUB_KERNELS=0"} <= set(cfg["Env"])
 
 
 def test_builder_and_runtime_share_the_torch_layer(runtime_image, ci_target):

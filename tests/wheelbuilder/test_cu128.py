@@ -33,6 +33,13 @@ DEVEL = "nvidia/cuda:12.8.1-devel-ubuntu24.04"
 DIGEST = "sha256:" + "5e" * 32
 
 
+def cu128_runtime_pin(package: str) -> str:
+    """The version locks/cu128/runtime.txt pins for `package`."""
+    from wheelbuilder.lock import resolved_version
+
+    return resolved_version((REPO / "locks" / "cu128" / "runtime.txt").read_text(), package)
+
+
 @pytest.fixture
 def target() -> tg.Target:
     return tg.load().target(None)
@@ -176,7 +183,8 @@ def doctor_versions(python: list[str], env: dict | None = None) -> dict:
 def assert_versions_are_the_locks_and_only_the_wheel_is_missing(check: dict) -> None:
     versions = check["details"]["versions"]
     assert versions["torch"] == "2.10.0+cu128" and versions["cuda_runtime"] == "12.8"
-    assert (versions["transformers"], versions["fla-core"], versions["triton"]) == ("5.24.0", "0.6.0", "3.6.0")
+    assert (versions["transformers"], versions["fla-core"], versions["triton"]) == (
+        cu128_runtime_pin("transformers"), "0.6.0", "3.6.0")
     # The only failure: the wheel this machine cannot build (no nvcc 12.8 without a registry).
     assert check["status"] == "fail" and check["reason"].startswith("not installed: causal-conv1d. Seen: ")
 
@@ -186,7 +194,7 @@ def test_runtime_lock_installs_with_hashes_and_reports_cuda_12_8(cu128_runtime_v
     probe = ("import torch, transformers, fla, triton; "
              "print(torch.__version__, torch.version.cuda, transformers.__version__, fla.__version__, triton.__version__)")
     out = subprocess.run([str(cu128_runtime_venv), "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["2.10.0+cu128", "12.8", "5.24.0", "0.6.0", "3.6.0"]
+    assert out.stdout.split() == ["2.10.0+cu128", "12.8", cu128_runtime_pin("transformers"), "0.6.0", "3.6.0"]
 
 
 @pytest.mark.slow

@@ -130,7 +130,7 @@ def test_known_family_mask_id_is_used_only_where_the_embedding_has_it():
 
 
 def test_cpu_tensors_take_the_torch_reference_even_where_fla_resolved(qwen35_dir):
-    """transformers 5.24 resolves chunk_gated_delta_rule to fla when fla imports; CPU must not reach it."""
+    """transformers (5.24, 5.25) resolves chunk_gated_delta_rule to fla when fla imports; CPU must not reach it."""
     import sys
 
     from dflash.model.kernels import kernel_functions
