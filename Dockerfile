@@ -143,7 +143,7 @@ ARG TORCH_LOCK=cu128
 # cache (a --target Hub id resolves from it, a kernel missing there is an error, never a download).
 # USE_HUB_KERNELS=0: transformers (5.25 depends on `kernels`) loads no kernel from the Hub at all
 # (use_kernels=True refused, its FP8/MoE kernel loader skipped); the GatedDeltaNet kernels are the locked
-# causal-conv1d wheel and fla.
+# causal-conv1d wheel and fla. `dflash doctor`'s kernel-path check reports both.
 ENV PYTHONUNBUFFERED=1 \
     DFLASH_TARGET=${TARGET} \
     DFLASH_STATE_DIR=/tmp/dflash \

@@ -12,16 +12,19 @@
 Exit codes: 0 no required check failed; 1 a required check failed; 2 a bad option (an arch spelling,
 a --save path that cannot be written), found before any check runs.
 
-Checks, in order: gpu, versions, import, arch, dispatch, numerics, triton, shm, loopback. Without a GPU,
-versions, import, arch and dispatch still run; numerics and the Triton JIT report skip with the reason, and
-the C compiler Triton needs is still checked. shm and loopback (ipc.py: what --num-proc, DataLoader
+Checks, in order: gpu, versions, import, arch, dispatch, kernel-path, numerics, triton, shm, loopback.
+Without a GPU, versions, import, arch and dispatch still run; kernel-path names the path each GatedDeltaNet
+op takes on the CPU (the torch reference) and reports skip; numerics and the Triton JIT report skip with
+the reason, and the C compiler Triton needs is still checked. shm and loopback (ipc.py: what --num-proc, DataLoader
 workers, NCCL and torchrun need from the container) always run, --quick included. network (a routable
 interface, a hostname that resolves to a usable address) runs when the run spans nodes: --multi-node, or
 under a torchrun whose WORLD_SIZE exceeds its LOCAL_WORLD_SIZE.
 
-Dispatch is checked even without a GPU because transformers 5.24 picks the fast or the torch function
-once, when the model module is imported, by importing the kernel package; the GPU plays no part in the
-choice. A machine without causal-conv1d therefore FAILS dispatch: that is what it would run.
+Dispatch is checked even without a GPU because transformers (5.24, 5.25) picks the fast or the torch
+function once, when the model module is imported, by importing the kernel package; the GPU plays no part in
+that choice. A machine without causal-conv1d therefore FAILS dispatch: that is what it would run. Which
+path an op then takes also depends on the device of its inputs and on a hub kernel `kernels.kernelize`
+may have bound: the kernel-path check (kernel_path.py) asks a built layer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 from dflash.doctor.verdict import DEFAULT_REPORT, FAIL, PASS, REPORT_ENV, SKIP, CheckResult, Report, render_table
 
 EXPECT_ENV = "DFLASH_EXPECT_ARCHES"
-QUICK_SKIPS = ("dispatch", "numerics")  # the expensive ones: transformers + fla imports, kernel launches
+QUICK_SKIPS = ("dispatch", "kernel-path", "numerics")  # the expensive ones: transformers + fla imports, kernel launches
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def check_triton(gpus: list[dict], quick: bool) -> CheckResult:
 def run_checks(opts: Options, progress=None) -> Report:
     """Run every check in order; a check that crashes is reported as failed with its exception."""
     from dflash.doctor import checks as dc
-    from dflash.doctor import ipc, network
+    from dflash.doctor import ipc, kernel_path, network
 
     gpus = dc.visible_gpus()
     expected = list(opts.expect_arches) if opts.expect_arches is not None else None
@@ -118,6 +121,7 @@ def run_checks(opts: Options, progress=None) -> Report:
         ("import", dc.check_import),
         ("arch", lambda: dc.check_arch(gpus=gpus, expected=expected)),
         ("dispatch", dc.check_dispatch),
+        ("kernel-path", lambda: kernel_path.check_kernel_path(gpus)),
         ("numerics", lambda: check_numerics(gpus)),
         ("triton", lambda: check_triton(gpus, opts.quick)),
         ("shm", ipc.check_shm),
@@ -207,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.add_argument("--quick", action="store_true",
-                   help="the cheap subset: skip dispatch, numerics and the Triton JIT (the C compiler is still checked)")
+                   help="the cheap subset: skip dispatch, kernel-path, numerics and the Triton JIT (the C compiler is "
+                        "still checked)")
     p.add_argument("--require-gpu", action="store_true", help="fail when no GPU is visible")
     p.add_argument("--expect-arch", action="append", default=None, metavar="ARCH",
                    help=f"arch the extension must cover when no GPU is visible, e.g. 12.0 (repeat or comma-separate; "

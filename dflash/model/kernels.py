@@ -1,5 +1,5 @@
 """Which implementation each GatedDeltaNet kernel function of a transformers model module resolves to,
-and routing it by device.
+which one each op of a built layer takes, and routing it by device.
 
 transformers 5.15+ resolves each GatedDeltaNet kernel function (`chunk_gated_delta_rule`, ...) once, at
 import, to the installed package (fla, causal-conv1d) or to its torch reference. 5.24 does not look at
@@ -13,12 +13,15 @@ With the `kernels` package installed (a dependency of transformers 5.25), its `u
 turns each of those functions into a small nn.Module whose forward calls transformers' wrapper, and
 `use_kernelized_func` gives every GatedDeltaNet layer private copies of them (`layer._kernel_funcs`) that
 `kernelize` may rebind to a kernel from the Hugging Face Hub (`_kernel_repo` in the copy's `__dict__`).
+`op_paths` reads, for one built layer, which of causal-conv1d, fla, a hub kernel or the torch reference
+each op takes on the layer's device: the doctor's kernel-path check.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -100,6 +103,80 @@ def kernel_functions(module: ModuleType) -> list[KernelFunction]:
     """
     found = [_kernel_function(attr, value) for attr, value in sorted(vars(module).items())]
     return [fn for fn in found if fn is not None]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The path each op of a built GatedDeltaNet layer takes
+# ----------------------------------------------------------------------------------------------------
+# The four ops of a GatedDeltaNet layer, by their kernel name: the convolution and the delta rule over a
+# sequence (prefill, training), and their one-token steps against the cache (decoding).
+GDN_OPS = ("causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+# What each path is called: the distribution a package's kernel comes from, a hub kernel, the reference.
+PATHS = {"causal_conv1d": "causal-conv1d", "fla": "fla"}
+HUB, TORCH = "kernels", "torch"
+# transformers 5.25's functions that call an op and that `kernelize` may replace as a whole: a hub kernel
+# bound to `causal_conv1d_forward` (the conv with its cache) takes both convolution ops over.
+_CALLERS = {"causal_conv1d_fn": "causal_conv1d_forward", "causal_conv1d_update": "causal_conv1d_forward"}
+
+
+@dataclass(frozen=True)
+class OpPath:
+    """The implementation one op of a built GatedDeltaNet layer runs on the layer's device."""
+
+    op: str      # the kernel's own name, e.g. "chunk_gated_delta_rule"
+    path: str    # "causal-conv1d", "fla", "kernels" (a hub kernel bound by `kernelize`) or "torch"
+    runs: str    # the function that runs (module.qualname), or the hub repository bound
+    why: str     # why not a faster path ("" when the package's kernel or a hub kernel runs)
+    package: str = ""  # the package whose kernel transformers would call ("causal_conv1d", "fla")
+
+    def line(self) -> str:
+        return f"{self.op} -> {self.path} ({self.runs}{'; ' + self.why if self.why else ''})"
+
+
+def gated_delta_net_layers(model) -> list:
+    """The GatedDeltaNet linear-attention layers of a built model, in order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+def _dotted(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _hub_repo(obj) -> str | None:
+    """The Hub repository `kernels.kernelize` bound to this layer or function module, or None."""
+    repo = vars(obj).get("_kernel_repo") if obj is not None and hasattr(obj, "__dict__") else None
+    return str(repo) if repo is not None else None
+
+
+def op_paths(layer, ops: tuple[str, ...] = GDN_OPS) -> list[OpPath]:
+    """The path each op of `layer` (a GatedDeltaNet module) takes on the device its weights are on.
+
+    Read from what transformers bound, not decided again here: a hub kernel `kernelize` bound to the
+    layer, to the function that calls the op, or to the layer's own copy of the op (`_kernel_repo`); else
+    the wrapper in that copy (or, without `kernels`, in the model module): the package's kernel it
+    resolved at import when the wrapper sends inputs of this device type to it, else the torch reference.
+    Raises LookupError for an op the layer's module does not dispatch (transformers changed it)."""
+    device = next(layer.parameters()).device
+    own = vars(layer).get("_kernel_funcs", {})
+    module_fns = {fn.name: fn for fn in kernel_functions(sys.modules[type(layer).__module__])}
+    out = []
+    for op in ops:
+        repo = _hub_repo(layer) or _hub_repo(own.get(_CALLERS.get(op))) or _hub_repo(own.get(op))
+        fn = _kernel_function(op, own[op]) if op in own else module_fns.get(op)
+        if fn is None:
+            raise LookupError(f"{type(layer).__name__} dispatches no kernel function named {op} (found: "
+                              f"{', '.join(sorted(own or module_fns)) or 'none'})")
+        reference, name = _dotted(fn.torch_function), PATHS.get(fn.package, fn.package)
+        if repo is not None:
+            out.append(OpPath(op, HUB, repo, "", fn.package))
+        elif not fn.fast:
+            out.append(OpPath(op, TORCH, reference, f"{name} is not installed or does not import", fn.package))
+        elif fn.devices is not None and device.type not in fn.devices:
+            out.append(OpPath(op, TORCH, reference, f"{device.type} inputs: transformers hands only "
+                              f"{', '.join(fn.devices)} inputs to {fn.package}", fn.package))
+        else:
+            out.append(OpPath(op, name, _dotted(fn.implementation), "", fn.package))
+    return out
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:

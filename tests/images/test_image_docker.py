@@ -96,7 +96,7 @@ def test_doctor_json_reports_the_cpu_pass_skip_set(runtime_image):
     report = json.loads(raw)
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status["versions"] == "pass" and status["import"] == "pass" and status["arch"] == "pass"
-    for gpu_only in ("numerics", "triton"):
+    for gpu_only in ("kernel-path", "numerics", "triton"):
         assert status[gpu_only] == "skip", status
     assert all(s != "fail" for s in status.values()), report
 

@@ -56,6 +56,6 @@ def test_engines_torch_image_passes_its_doctor(new_line_image):
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status["versions"] == "pass" and status["import"] == "pass" and status["arch"] == "pass", report
     assert status["dispatch"] == "pass", report
-    for gpu_only in ("numerics", "triton"):
+    for gpu_only in ("kernel-path", "numerics", "triton"):
         assert status[gpu_only] == "skip", status
     assert all(s != "fail" for s in status.values()), report

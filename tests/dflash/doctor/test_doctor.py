@@ -262,9 +262,11 @@ def test_cli_json_schema_and_exit_code(broken_run):
     assert data["ok"] is False and data["quick"] is True
     assert {"versions", "import"} <= set(data["failed"])
     names = [c["name"] for c in data["checks"]]
-    assert names == ["gpu", "versions", "import", "arch", "dispatch", "numerics", "triton", "shm", "loopback"]
+    assert names == ["gpu", "versions", "import", "arch", "dispatch", "kernel-path", "numerics", "triton", "shm",
+                     "loopback"]
     by = {c["name"]: c for c in data["checks"]}
-    assert by["dispatch"]["status"] == SKIP and by["dispatch"]["reason"] == "skipped by --quick"
+    for costly in ("dispatch", "kernel-path"):
+        assert by[costly]["status"] == SKIP and by[costly]["reason"] == "skipped by --quick"
     assert by["shm"]["status"] != SKIP and by["loopback"]["status"] != SKIP  # cheap: --quick runs them
     assert "2.10.0" in by["versions"]["reason"]
     for c in data["checks"]:

@@ -150,11 +150,14 @@ else:
 from dflash.model.target import Target
 t = Target.load({str(target)!r})
 print("context:", tuple(t.context(torch.randint(4, 96, (1, 12))).shape))
+from dflash.doctor.kernel_path import check_kernel_path
+print("kernel-path:", check_kernel_path([]).reason)
 """
     with recording_hub() as (endpoint, asked):
         r = run_python(code, tmp_path, endpoint)
     assert "finegrained-fp8: None" in r.stdout and "Hub kernels are disabled" in r.stdout, r.stdout
     assert "context: (1, 12, 160)" in r.stdout, r.stdout
+    assert "hub kernels off (USE_HUB_KERNELS=0)" in r.stdout, r.stdout
     assert asked == [] and nothing_left_the_machine(r), r.stdout
 
 
