@@ -42,6 +42,8 @@ def forward_seconds(target, ids, reps: int) -> float:
 
 
 def loop(target, args, device, label: str) -> dict:
+    if args.forward_only:
+        return {}
     try:
         row = bench_train.bench_one(label, target, args, device, "auto", "after", None)
         return {"tokens_per_s": row["loop"]["tokens_per_s"], "ok": True}
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=3, help="target forwards timed")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time the target forwards and the divergence, no training loop (a card too small for one)")
     p.add_argument("--cap-gb", type=float, default=0.0, help="cap this process's GPU memory (replicate check)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
               f"({ratios['forward_speedup']:.2f}x); target weights {fp8_gb:.1f} GB vs {bf16['weight_gb']:.1f} GB "
               f"({ratios['memory_ratio']:.2f}x); whole loop "
               + (f"{row['tokens_per_s']:,.0f} vs {bf16['tokens_per_s']:,.0f} tokens/s ({ratios['loop_speedup']:.2f}x)"
-                 if "loop_speedup" in ratios else "not run on this GEMM" if "ok" not in row else
+                 if "loop_speedup" in ratios else "not run" if "ok" not in row else
                  f"bf16 {'ran' if bf16.get('ok') else 'ran out of memory'}, "
                  f"FP8 {'ran' if row.get('ok') else 'ran out of memory'}")
               + (f" under a {args.cap_gb:g} GB cap (--layout replicate)" if args.cap_gb else ""))

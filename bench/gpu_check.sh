@@ -112,7 +112,8 @@ wanted mix && step length-mix-27b 480 "$PY" "$REPO/bench/bench_length_mix.py" --
 # shellcheck disable=SC2086
 wanted mix-dflash2 && step length-mix-27b-dflash2 360 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --kind dflash2 \
     --variants fixed,packed $MIX_ARGS --json "$OUT/length-mix-27b-dflash2.json"
-wanted fp8 && step fp8-27b 330 "$PY" "$REPO/bench/bench_fp8.py" --gemms scaled_mm,triton --json "$OUT/fp8-27b.json"
+# shellcheck disable=SC2086
+wanted fp8 && step fp8-27b 330 "$PY" "$REPO/bench/bench_fp8.py" --gemms scaled_mm,triton ${FP8_ARGS:-} --json "$OUT/fp8-27b.json"
 wanted fp8-cap && step fp8-27b-cap102 330 "$PY" "$REPO/bench/bench_fp8.py" --cap-gb 102 --json "$OUT/fp8-27b-cap102.json"
 
 echo "=== done $(date -u +%H:%M:%S); failed steps: ${failed[*]:-none}"
