@@ -116,7 +116,6 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
            "step_seconds": [round(t, 4) for t in times], "tokens_per_step": [t for _, t in stamps]}
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    free_memory(device)
     return row
 
 
@@ -193,7 +192,11 @@ def main(argv=None) -> int:
             rows.append(run_variant(target, items, args, variant, device))
         except Exception as e:  # one failing variant must not lose the other's figures
             rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-            free_memory(device)
+        # Outside the except block: a failed variant's frames (its drafter, optimizer state, activations) are
+        # released only with its exception. Freed inside it, the next variant started with them still held and
+        # ran out of memory (bench/results/h200/length-mix-27b-run1.log). Each variant compiles afresh.
+        free_memory(device)
+        torch._dynamo.reset()
         print(json.dumps(rows[-1]), flush=True)
     done = [r for r in rows if "error" not in r]
     print("\n" + report(done, args.fixed_tokens_per_s))
