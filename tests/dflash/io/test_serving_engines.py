@@ -238,9 +238,31 @@ def reference_model():
     sys.modules[spec.name] = module  # transformers resolves the class's annotations through its module
     try:
         exec(compile(source, "dflash-0.1.0.whl/dflash/model.py", "exec"), module.__dict__)
+        _follow_the_installed_cache_api(module)
         yield module
     finally:
         del sys.modules[spec.name]
+
+
+def _follow_the_installed_cache_api(module) -> None:
+    """dflash 0.1.0 pins transformers 5.15 and calls `cache.activate_past_recording()` with no count. From
+    transformers 5.25 a GatedDeltaNet cache layer keeps the recurrent states a later `crop` rolls back to only when
+    given `recurrent_states_to_keep`; without it Qwen3.5's layer fails at `min(None, seq_len)`. Under such a
+    transformers the reference's own cache helper is given the count its rollback needs (at most a block, here
+    far fewer than 64 tokens); everything else the test runs is the reference's code as shipped."""
+    import inspect
+
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+    if "recurrent_states_to_keep" not in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters:
+        return
+
+    def make_cache(config):
+        cache = DynamicCache(config=config)
+        cache.activate_past_recording(recurrent_states_to_keep=64)
+        return cache
+
+    module._make_cache = make_cache
 
 
 @pytest.mark.parametrize("kind", KINDS)
