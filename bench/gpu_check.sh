@@ -19,7 +19,7 @@
 #   kernels       bench/bench_kernels.py -> OUT/kernels.json
 #   train         bench/bench_train.py --presets 27b, sdpa vs flex -> OUT/train-27b.json
 #   mix           bench/bench_length_mix.py --preset 27b: the fixed 2 x 4096 shape, then a chat-like mix packed
-#                 and padded, one process -> OUT/length-mix-27b.json
+#                 and padded, one process (MIX_VARIANTS picks them) -> OUT/length-mix-27b.json
 #   mix-dflash2   the same for a DFlash2 drafter, fixed and packed -> OUT/length-mix-27b-dflash2.json
 #   fp8           bench/bench_fp8.py: an FP8 target against bf16 (SM 9.0: scaled_mm, then triton's forward) -> OUT/fp8-27b.json
 #   fp8-cap       the same loops under a 102 GB cap (--layout replicate on a 96 GB card) -> OUT/fp8-27b-cap102.json
@@ -34,6 +34,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 PREFIX=${DFLASH_GPU_PREFIX:-/tmp/dflash-gpu-check}
 TRAIN_ARGS=${TRAIN_ARGS:---steps 6 --warmup 2 --reps 3}
 MIX_ARGS=${MIX_ARGS:---steps 24 --warmup 6 --sequences 2000}
+MIX_VARIANTS=${MIX_VARIANTS:-fixed,packed,padded}
 STEPS=" ${STEPS:-doctor tests kernels train mix mix-dflash2 fp8 fp8-cap} "
 wanted() { [[ "$STEPS" == *" $1 "* ]]; }
 mkdir -p "$OUT"
@@ -107,7 +108,7 @@ wanted kernels && step kernels 100 "$PY" "$REPO/bench/bench_kernels.py" --json "
 wanted train && step train-27b 270 "$PY" "$REPO/bench/bench_train.py" --presets 27b --attention sdpa,flex $TRAIN_ARGS \
     --json "$OUT/train-27b.json"
 # shellcheck disable=SC2086
-wanted mix && step length-mix-27b 480 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --variants fixed,packed,padded \
+wanted mix && step length-mix-27b 480 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --variants "$MIX_VARIANTS" \
     $MIX_ARGS --json "$OUT/length-mix-27b.json"
 # shellcheck disable=SC2086
 wanted mix-dflash2 && step length-mix-27b-dflash2 360 "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --kind dflash2 \

@@ -13,9 +13,10 @@ The GatedDeltaNet kernels the target's layers dispatch to are read and routed by
 `kernel_report` says which one each function gets.
 
 Packed rows (dflash.model.segments) run through transformers' packed-sequence interface: position ids
-restarting per sequence, from which the full-attention layers' mask becomes block-diagonal causal (sdpa and
-eager; flash attention reads the cu_seq_lens/max_length arguments), and seq_idx / cu_seqlens, with which
-the GatedDeltaNet convolution and delta rule restart at every sequence (dflash.model.segment_kernels).
+restarting per sequence, from which the full-attention layers' mask becomes block-diagonal causal, and the
+varlen lengths (cu_seq_lens, max_length), with which those layers run flash attention's varlen kernel on a
+GPU (dflash.model.packed_attention), and seq_idx / cu_seqlens, with which the GatedDeltaNet convolution and
+delta rule restart at every sequence (dflash.model.segment_kernels).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from dflash.errors import TargetError
 from dflash.model.fp8_checkpoint import check_fp8_target, fp8_precision
 from dflash.model.kernels import kernel_functions, route_kernels_by_device
+from dflash.model.packed_attention import use_packed_attention
 from dflash.model.segments import Segments
 
 log = logging.getLogger(__name__)
@@ -254,6 +256,7 @@ class Target:
             tokenizer, self.config.model_type, int(self._embed.weight.shape[0]), mask_token)
         self._modeling_module = sys.modules[type(model).__module__]
         route_kernels_by_device(self._modeling_module)
+        use_packed_attention(model)
 
     @classmethod
     def load(cls, path, *, device="cpu", dtype=torch.float32, layer_ids=None, mask_token=None) -> "Target":

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from dflash.model.packed_attention import ATTENTION
 from dflash.model.segment_kernels import conv1d_by_segment, delta_rule_by_segment
 from dflash.model.segments import Segments
 from dflash.model.target import Target, TargetError
@@ -102,7 +103,7 @@ def test_the_full_attention_mask_is_block_diagonal_causal(targets):
     target = targets["qwen3_5"]
     ids, segments = _pack()
     config = target.model.config.get_text_config()
-    assert config._attn_implementation == "sdpa"
+    assert config._attn_implementation == ATTENTION  # sdpa's mask; its flash varlen kernel on a GPU
     mask = create_causal_mask(config=config, inputs_embeds=target.embed(ids), attention_mask=None, cache=None,
                               position_ids=segments.position_ids)
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -165,7 +166,7 @@ def test_a_drafter_view_passes_the_segments_on(targets):
 @pytest.mark.gpu
 def test_packed_sequences_match_alone_in_bf16_with_the_fast_kernels(tmp_path):
     """The hybrid in bf16 on the GPU: fla's varlen delta rule, causal-conv1d's seq_idx convolution (where
-    it is installed; else the per-sequence reference on CUDA) and sdpa's block-diagonal mask. bf16 rounds
+    it is installed; else the per-sequence reference on CUDA) and flash attention's varlen kernel. bf16 rounds
     differently on a packed and an alone pass (different kernels and tilings), so the bound is relative:
     max |packed - alone| <= 2e-2 * max |alone| in every tapped layer; without segments it is far beyond."""
     pytest.importorskip("fla.ops.gated_delta_rule")
