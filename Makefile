@@ -18,7 +18,7 @@ REGISTRY ?=
 PUBLISH_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine base lock pin-images wheels wheels-matrix index image demo lint test test-fast bench bench-build bench-matrix bench-kernels bench-scaling bench-train bench-length-mix bench-multi bench-drafter bench-flex bench-fit bench-plan bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
+.PHONY: help venv engine base lock pin-images wheels wheels-matrix index image demo lint test test-fast bench bench-build bench-matrix bench-kernels bench-scaling bench-train bench-length-mix bench-packed-target bench-multi bench-drafter bench-flex bench-fit bench-plan bench-layouts bench-loss bench-data bench-eval bench-spec-step bench-image bench-push bench-publish push push-docker publish clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -72,6 +72,9 @@ bench-train: venv  ## drafter training throughput and time split (demo target + 
 
 bench-length-mix: venv  ## a mix of sequence lengths: padded batches vs packed rows, useful tokens/s, recompiles, step times, memory (27B shape on a GPU)
 	$(PY) bench/bench_length_mix.py
+
+bench-packed-target: venv  ## the target's forward over a packed row vs the fixed shape: full attention masked vs flash varlen (27B shape, a GPU)
+	$(PY) bench/bench_packed_target.py
 
 bench-multi: venv  ## several drafters on one target pass: drafter-steps/s for K = 1, 2, 3 vs K separate runs, drafter forward profile (27B shape on a GPU)
 	$(PY) bench/bench_multi.py

@@ -166,9 +166,10 @@ def test_a_drafter_view_passes_the_segments_on(targets):
 @pytest.mark.gpu
 def test_packed_sequences_match_alone_in_bf16_with_the_fast_kernels(tmp_path):
     """The hybrid in bf16 on the GPU: fla's varlen delta rule, causal-conv1d's seq_idx convolution (where
-    it is installed; else the per-sequence reference on CUDA) and flash attention's varlen kernel. bf16 rounds
-    differently on a packed and an alone pass (different kernels and tilings), so the bound is relative:
-    max |packed - alone| <= 2e-2 * max |alone| in every tapped layer; without segments it is far beyond."""
+    it is installed; else the per-sequence reference on CUDA) and flash attention's varlen kernel. bf16 may
+    round differently on a packed and an alone pass (other kernels and tilings), so the bound is relative:
+    max |packed - alone| <= 1e-3 * max |alone| in every tapped layer (an H100 gave exactly 0); without segments
+    the tiny model's later sequences are 1e-3 to 1e-2 away (an H100 gave up to 9.3e-3), above 5x the bound."""
     pytest.importorskip("fla.ops.gated_delta_rule")
     target = Target.load(save_tiny_target(tmp_path, "qwen3_5"), device="cuda", dtype=torch.bfloat16,
                          layer_ids=list(range(8)))
@@ -182,5 +183,5 @@ def test_packed_sequences_match_alone_in_bf16_with_the_fast_kernels(tmp_path):
     for layer, (d, r, u) in enumerate(zip(per_layer.tolist(), rel.tolist(), rel_unpacked.tolist())):
         kind = target.config.layer_types[layer]
         print(f"layer {layer} ({kind}): max |packed - alone| {d:.3e}, relative {r:.3e}; without segments {u:.3e}")
-    assert float(rel.max()) <= 2e-2, rel
-    assert float(rel_unpacked.max()) > 0.1, rel_unpacked
+    assert float(rel.max()) <= 1e-3, rel
+    assert float(rel_unpacked.max()) > 5e-3, rel_unpacked

@@ -225,7 +225,8 @@ def test_gpu_training_runs_in_bf16_and_learns(tiny, tmp_path):
 @pytest.mark.gpu
 def test_gpu_out_of_memory_names_the_knobs(tmp_path):
     """A micro-batch whose logits cannot fit (8 x 8192 tokens, 4096 anchors each, a 262144-wide head:
-    about 275 GB of bf16 logits) must stop with the knobs to turn, not a bare CUDA traceback."""
+    about 275 GB of bf16 logits) must stop with the knobs to turn, not a bare CUDA traceback. Padded
+    batches: a pack's anchor budget would keep this micro-batch small."""
     from transformers import Qwen3_5ForCausalLM
     import types as _types
 
@@ -242,7 +243,8 @@ def test_gpu_out_of_memory_names_the_knobs(tmp_path):
     items = [{"input_ids": torch.randint(4, 1000, (8192,), generator=g), "loss_mask": torch.ones(8192, dtype=torch.long)}
              for _ in range(8)]
     cfg = TrainConfig.from_flat(out=str(tmp_path / "oom"), max_length=8192, max_tokens=8 * 8192, batch_size=8,
-                      max_anchors=4096, max_steps=1, epochs=0, drafter_layers=1, progress=False, device="cuda")
+                      max_anchors=4096, max_steps=1, epochs=0, drafter_layers=1, progress=False, device="cuda",
+                                packing="off")
     with pytest.raises(TrainError, match="out of memory.*--max-anchors \\(now 4096\\).*--max-tokens.*--batch-size"):
         train(cfg, target=target, items=items, handle_signals=False)
     torch.cuda.empty_cache()
