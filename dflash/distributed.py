@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before any group exists: see _drop_group_references
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,35 @@ def close(d: Dist, *, clean: bool = True) -> None:
     elif d.device.type == "cuda":
         return
     dist.destroy_process_group()
+    _drop_group_references()
+
+
+def _drop_group_references() -> None:
+    """Let the destroyed groups' C++ objects, and with them gloo's worker threads, go now, not at the exit.
+
+    destroy_process_group() forgets the groups, but torch objects still hold them, and a group that lives
+    into the interpreter's finalization can abort the process (close()'s docstring): each DeviceMesh in its
+    `_pg_registry` (DTensor's sharding caches keep meshes for the life of the process), and FSDP2's mesh
+    infos while the drafter lives (a run returns it). torch.distributed.nn's functions would hold the
+    default group in their defaults (`group=group.WORLD`) had they been imported after init_process_group
+    (transformers imports them while it loads the target): this module imports them first. Every group is
+    destroyed by now, so every reference dropped here points at a dead one.
+    """
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DataParallelMeshInfo
+    except ImportError:  # a torch that moved it: its mesh infos keep the group until the drafter goes
+        DataParallelMeshInfo = ()
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that reads __class__, and deprecated torch objects warn on it
+        if issubclass(kind, DeviceMesh):
+            getattr(obj, "_pg_registry", {}).clear()
+        elif issubclass(kind, DataParallelMeshInfo):
+            for name in ("shard_process_group", "replicate_process_group"):
+                if hasattr(obj, name):
+                    setattr(obj, name, None)
 
 
 @contextmanager
