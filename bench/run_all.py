@@ -39,6 +39,7 @@ NEEDS = {
     "bench-matrix": ("nvcc",),
     "bench-train": (),
     "bench-length-mix": (),
+    "bench-packed-target": ("gpu",),
     "bench-multi": (),
     "bench-drafter": ("gpu",),
     "bench-flex": ("gpu",),
