@@ -94,6 +94,8 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
         sync(device)
         stamps.append((time.perf_counter(), m["tokens"]))
         graphs.append(graphs_compiled())
+        took = stamps[-1][0] - (stamps[-2][0] if len(stamps) > 1 else start)
+        print(f"{variant}: step {len(stamps)} took {took:.3f} s, {m['tokens']} tokens", file=sys.stderr, flush=True)
         return False
 
     batching = (dict(packing="on", pack_tokens=args.pack_tokens, pack_anchors=args.pack_anchors) if packed else
@@ -105,7 +107,7 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
                                     max_length=args.max_length, max_steps=args.steps + args.warmup, epochs=0,
                                     save_every=0, log_every=10**6, progress=False, device=str(device),
                                     memory_check=False, drafter_kind=args.kind, **batching)
-        start = time.perf_counter()
+        start = time.perf_counter()  # on_step reads it: the first step's time runs from here
         train(cfg, target=target, items=items, on_step=on_step, handle_signals=False)
     times = [b[0] - a[0] for a, b in zip([(start, 0)] + stamps, stamps)]
     timed, tokens = times[args.warmup:], [t for _, t in stamps[args.warmup:]]

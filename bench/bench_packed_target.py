@@ -4,7 +4,8 @@
 
 A random target of the 27B shape (bf16) runs `Target.context`, the tapped states training reads, on:
     fixed           2 x 4096 tokens, no mask: sdpa's flash kernel (is_causal)
-    packed-masked   1 x 8192 tokens of chat-like sequences (bench_length_mix's mix), the full-attention layers on
+    packed-masked   1 x 8192 tokens: the pack of most sequences that training's packer (dflash.data.packs) forms
+                    from bench_length_mix's chat-like mix, the full-attention layers on
                     sdpa under the block-diagonal mask transformers builds from the restarting positions
     packed-varlen   the same pack, those layers on flash attention's varlen kernel (dflash.model.packed_attention)
 and prints the median forward time of each and the ratios, side by side in one process. The pack's tapped
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,32 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_length_mix import chat_mix  # noqa: E402
+from dflash.data.packs import make_packs  # noqa: E402
 from dflash.model.packed_attention import ATTENTION  # noqa: E402
 from dflash.model.segments import Segments  # noqa: E402
 from dflash.model.shapes import QWEN35_27B, random_target  # noqa: E402
-
-
-def pack_lengths(lengths: list[int], tokens: int) -> list[int]:
-    """The first row of `tokens` that the mix fills in order (what a packed micro-batch holds)."""
-    row = []
-    for n in lengths:
-        if sum(row) + n <= tokens:
-            row.append(n)
-    return row
-
-
-def timed(fn, reps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) / 1000)
-    return out
+from dflash.train.probes.timing import timed  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -65,7 +44,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     target = random_target(QWEN35_27B, device, torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    row = pack_lengths(chat_mix(200, 0, 4096), args.tokens)
+    mix = chat_mix(200, 0, 4096)
+    row = [mix[i] for i in max(make_packs(mix, args.tokens, seed=0, epoch=0), key=len)]  # a pack training forms
     segments = Segments.from_lengths([row], args.tokens, device=device)
     packed_ids = torch.randint(4, QWEN35_27B["vocab"] - 1, (1, args.tokens), generator=g).to(device)
     fixed_ids = torch.randint(4, QWEN35_27B["vocab"] - 1, (2, args.tokens // 2), generator=g).to(device)
@@ -77,11 +57,10 @@ def main(argv=None) -> int:
                                    ("packed-varlen", ATTENTION, packed_ids, segments)):
         target.model.set_attn_implementation(route)
         torch.cuda.reset_peak_memory_stats()
-        seconds = timed(lambda: target.context(ids, segments=segs), args.reps, args.warmup)
+        ms = timed(lambda: target.context(ids, segments=segs), device, args.reps, args.warmup)
         if segs is not None:
             states[name] = target.context(ids, segments=segs).float()
-        rows[name] = {"median_s": statistics.median(seconds), "seconds": [round(s, 4) for s in seconds],
-                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        rows[name] = {"median_s": ms / 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
         print(json.dumps({"variant": name, **rows[name]}), flush=True)
     masked = states["packed-masked"]
     rel = float((states["packed-varlen"] - masked).abs().max() / masked.abs().max())
