@@ -23,7 +23,7 @@ import torch
 from dflash.model.fp8 import pick_gemm, quantize_model, use_fp8_gemm, weight_bytes
 from dflash.model.fp8_checkpoint import default_modules_to_not_convert
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
-from dflash.train.probes.timing import free_memory, sync
+from dflash.train.probes.timing import free_memory, sync, timed
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import bench_train  # noqa: E402  the loop and its config, as bench_train runs them
@@ -39,6 +39,42 @@ def forward_seconds(target, ids, reps: int) -> float:
         target.context(ids)
     sync(target.device)
     return (time.perf_counter() - start) / reps
+
+
+def linear_breakdown(model, tokens: int, device, reps: int) -> list[dict]:
+    """Each distinct FP8 linear shape [N, K] of `model` at `tokens` rows, in milliseconds: the bf16 F.linear
+    it replaces, the whole FP8 layer (activation quantisation + GEMM), its quantisation alone (the one-pass
+    kernel the GEMMs use) and the eager reference quantisation; `count` layers of that shape."""
+    from dflash.model.fp8 import Fp8Linear
+    from dflash.model.fp8 import quantize_activation as eager_quantize
+    from dflash.model.fp8_triton import quantize_activation as kernel_quantize
+
+    shapes: dict[tuple[int, int], list[Fp8Linear]] = {}
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            shapes.setdefault((module.out_features, module.in_features), []).append(module)
+    rows = []
+    for (n, k), layers in sorted(shapes.items()):
+        x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        row = {"n": n, "k": k, "count": len(layers), "gemm": layers[0].gemm,
+               "bf16_ms": timed(lambda: torch.nn.functional.linear(x, w), device, reps),
+               "fp8_ms": timed(lambda: layers[0](x), device, reps),
+               "quantize_ms": timed(lambda: kernel_quantize(x), device, reps),
+               "eager_quantize_ms": timed(lambda: eager_quantize(x), device, reps)}
+        rows.append({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()})
+    return rows
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    print(f"{'[N, K]':>14} {'layers':>6} {'gemm':>9} {'bf16 ms':>8} {'fp8 ms':>8} {'quant ms':>8} {'eager q ms':>10}")
+    for r in rows:
+        print(f"{str([r['n'], r['k']]):>14} {r['count']:>6} {r['gemm']:>9} {r['bf16_ms']:>8.3f} {r['fp8_ms']:>8.3f} "
+              f"{r['quantize_ms']:>8.3f} {r['eager_quantize_ms']:>10.3f}")
+    total = {key: sum(r[key] * r["count"] for r in rows) for key in ("bf16_ms", "fp8_ms", "quantize_ms", "eager_quantize_ms")}
+    print(f"all FP8 linear layers of one forward: bf16 {total['bf16_ms']:.0f} ms, FP8 {total['fp8_ms']:.0f} ms "
+          f"({total['bf16_ms'] / total['fp8_ms']:.2f}x), of which quantisation {total['quantize_ms']:.0f} ms "
+          f"(eager torch would take {total['eager_quantize_ms']:.0f} ms)")
 
 
 def loop(target, args, device, label: str) -> dict:
@@ -110,6 +146,9 @@ def main(argv=None) -> int:
         row["tapped_rel_l2"] = {layer: round(((reference[..., i * H:(i + 1) * H] - states[..., i * H:(i + 1) * H]).norm()
                                               / reference[..., i * H:(i + 1) * H].norm()).item(), 5)
                                 for i, layer in enumerate(target.layer_ids)}
+        if device.type == "cuda" and gemm != "dequant":
+            row["linear_breakdown"] = linear_breakdown(target.model, args.batch_size * args.seq_len, device, args.reps)
+            print_breakdown(row["linear_breakdown"])
         if gemm == gemms[0]:
             row.update(loop(target, args, device, f"fp8-{gemm}"))
         result["fp8"][gemm] = row

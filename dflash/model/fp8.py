@@ -74,7 +74,8 @@ def dequantize_weight(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
 
 
 def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] activations -> (xq [M, K] fp8, scales [M, ceil(K/group)] float32): dynamic, per token and group."""
+    """[M, K] activations -> (xq [M, K] fp8, scales [M, ceil(K/group)] float32): dynamic, per token and group.
+    The reference: the GPU GEMMs quantise with dflash.model.fp8_triton's one-pass kernel, the same numbers."""
     m, k = x.shape
     kb = math.ceil(k / group)
     padded = F.pad(x.float(), (0, kb * group - k)).view(m, kb, group)
@@ -96,13 +97,16 @@ def scaled_mm_fits(n: int, k: int) -> bool:
 
 
 def gemm_scaled_mm(x, weight, scale_inv, bias=None):
-    """torch.nn.functional.scaled_mm, activations 1x128 and weights 128x128 (SM 9.0)."""
+    """torch.nn.functional.scaled_mm, activations 1x128 and weights 128x128 (SM 9.0); the activations are
+    quantised by dflash.model.fp8_triton (its scales come column-major, the layout scaled_mm reads)."""
     from torch.nn.functional import ScalingType
+
+    from dflash.model.fp8_triton import quantize_activation as quantize_on_gpu
 
     m = x.shape[0]
     pad = (-m) % 16  # the FP8 GEMMs take M in multiples of 16
-    xq, xs = quantize_activation(F.pad(x, (0, 0, 0, pad)) if pad else x)
-    y = F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), ScalingType.BlockWise1x128,
+    xq, xs = quantize_on_gpu(F.pad(x, (0, 0, 0, pad)) if pad else x)
+    y = F.scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128,
                     scale_inv.t(), ScalingType.BlockWise128x128, output_dtype=x.dtype)
     y = y[:m] if pad else y
     return y + bias if bias is not None else y
@@ -110,8 +114,9 @@ def gemm_scaled_mm(x, weight, scale_inv, bias=None):
 
 def gemm_triton(x, weight, scale_inv, bias=None):
     from dflash.model.fp8_triton import block_fp8_matmul
+    from dflash.model.fp8_triton import quantize_activation as quantize_on_gpu
 
-    xq, xs = quantize_activation(x)
+    xq, xs = quantize_on_gpu(x)
     y = block_fp8_matmul(xq, xs, weight, scale_inv, x.dtype)
     return y + bias if bias is not None else y
 

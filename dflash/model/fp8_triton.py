@@ -1,9 +1,18 @@
-"""A Triton GEMM for block-quantised FP8: y [M, N] = (xq * a_s) [M, K] @ (W * w_s)^T, fp32 accumulation.
+"""Triton kernels for block-quantised FP8: the GEMM y [M, N] = (xq * a_s) [M, K] @ (W * w_s)^T with fp32
+accumulation, and the activation quantisation that feeds it and torch's scaled_mm.
+
+    quantize_activation(x)    [M, K] bf16/fp16/fp32 -> (xq [M, K] fp8, a_s [M, ceil(K/128)] fp32): one read of x,
+                              one write of xq; a_s is column-major (scaled_mm's layout for 1x128 scales)
+    block_fp8_matmul(...)     the GEMM below
 
     xq [M, K] fp8, a_s [M, ceil(K/128)] fp32     activations, one scale per token and 128 columns
     W  [N, K] fp8, w_s [ceil(N/128), ceil(K/128)] fp32   weights, one scale per 128 x 128 block
 
-The K loop steps 128 columns at a time, so each step meets one activation scale per row and one weight
+The quantisation does what dflash.model.fp8.quantize_activation does in eager torch (per token and 128
+columns: scale = max |x| / 448, floored at 1e-12; xq = clamp(x / scale, +-448)), in one pass instead of the
+eight or so kernels eager torch launches over an fp32 copy of x, which cost more than the FP8 GEMM saved.
+
+The GEMM's K loop steps 128 columns at a time, so each step meets one activation scale per row and one weight
 scale per output column (K / 128 steps, a compile-time count: one compile per K of the model; read per column: a tile narrower than 128 never straddles two weight blocks, and
 partial edge blocks need no special case). Masked loads fill the edges with zeros.
 
@@ -19,6 +28,35 @@ import triton
 import triton.language as tl
 
 BLOCK_K = 128  # the scale granularity along K: one activation scale and one weight scale per K step
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+QUANT_ROWS = 32  # tokens per program of the quantisation kernel (x 128 columns)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
+                     ROWS: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr):
+    offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    kb = tl.program_id(1)
+    offs_k = kb * GROUP + tl.arange(0, GROUP)
+    inside = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=inside, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FMAX, 1e-12)
+    q = tl.clamp(x / scale[:, None], -FMAX, FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=inside)
+    tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M)
+
+
+def quantize_activation(x: torch.Tensor, rows: int = QUANT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations -> (xq [M, K] float8_e4m3fn, scales [M, ceil(K/128)] fp32, column-major)."""
+    m, k = x.shape
+    kb = triton.cdiv(k, BLOCK_K)
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(kb, m, dtype=torch.float32, device=x.device).t()  # [M, kb], stride (1, M)
+    _quantize_kernel[(triton.cdiv(m, rows), kb)](x, xq, scales, m, k, x.stride(0), x.stride(1), xq.stride(0),
+                                                 xq.stride(1), scales.stride(0), scales.stride(1),
+                                                 ROWS=rows, GROUP=BLOCK_K, FMAX=FP8_MAX)
+    return xq, scales
 
 
 @triton.jit

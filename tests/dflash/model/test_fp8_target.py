@@ -152,6 +152,60 @@ def test_triton_block_gemm_matches_the_reference_in_the_interpreter():
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
+def test_triton_activation_quantisation_matches_the_reference_in_the_interpreter():
+    """dflash.model.fp8_triton.quantize_activation (the GPU GEMMs' one-pass kernel) run by Triton's CPU
+    interpreter against the eager reference, on partial blocks in M and K, from fp32 and bf16 activations,
+    with an all-zero group (its scale floors at 1e-12): the scales equal exactly and come column-major
+    (scaled_mm's layout), and the fp8 values equal the reference's unrounded values x / scale put through the
+    interpreter's own fp32 -> e4m3 cast. That cast is an emulation that does not round to nearest even
+    (124.3 -> 64, ties upward), so it stands in for torch's here; the GPU test below holds every value to
+    torch's cast bit for bit on the hardware's."""
+    code = (
+        "import torch, triton, triton.language as tl\n"
+        "from dflash.model.fp8 import FP8_MAX\n"
+        "from dflash.model.fp8 import quantize_activation as reference\n"
+        "from dflash.model.fp8_triton import quantize_activation\n"
+        "@triton.jit\n"
+        "def cast(x_ptr, q_ptr, N: tl.constexpr):\n"
+        "    i = tl.arange(0, N)\n"
+        "    tl.store(q_ptr + i, tl.load(x_ptr + i).to(q_ptr.dtype.element_ty))\n"
+        "torch.manual_seed(0)\n"
+        "for m, k, dtype in [(5, 300, torch.float32), (70, 256, torch.bfloat16), (33, 128, torch.float32)]:\n"
+        "    x = (torch.randn(m, k) * 3).to(dtype); x[0, :128] = 0\n"
+        "    xq, xs = quantize_activation(x, rows=32)\n"
+        "    rq, rs = reference(x)\n"
+        "    assert xs.shape == rs.shape and xs.stride() == (1, m), (xs.shape, xs.stride())\n"
+        "    assert torch.equal(xs, rs), (m, k, (xs - rs).abs().max())\n"
+        "    unrounded = (x.float() / rs.repeat_interleave(128, 1)[:, :k]).clamp(-FP8_MAX, FP8_MAX).flatten()\n"
+        "    n = triton.next_power_of_2(unrounded.numel())\n"
+        "    want = torch.empty(n, dtype=torch.float8_e4m3fn)\n"
+        "    cast[(1,)](torch.nn.functional.pad(unrounded, (0, n - unrounded.numel())), want, N=n)\n"
+        "    assert torch.equal(xq.flatten().view(torch.uint8), want[:m * k].view(torch.uint8)), (m, k)\n"
+        "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_triton_activation_quantisation_equals_the_reference_on_the_gpu():
+    """On an FP8 GPU the kernel's fp8 values and scales equal the eager reference's bit for bit, at the
+    27B shape's widths (5,120 and 17,408 columns, 8,192 tokens) and on partial blocks."""
+    from dflash.model.fp8 import fp8_capable
+    from dflash.model.fp8 import quantize_activation as reference
+    from dflash.model.fp8_triton import quantize_activation
+
+    if not torch.cuda.is_available() or not fp8_capable("cuda"):
+        pytest.skip("needs a CUDA GPU with FP8 (compute capability 8.9 or newer)")
+    torch.manual_seed(0)
+    for m, k in [(8192, 5120), (8192, 17408), (70, 300)]:
+        x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
+        xq, xs = quantize_activation(x)
+        rq, rs = reference(x)
+        assert torch.equal(xs, rs), (m, k)
+        assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)), (m, k)
+
+
 def _config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
