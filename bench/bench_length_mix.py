@@ -11,13 +11,17 @@ takes them from a file: one length per line, or a chat JSONL ({"messages": [...]
 template of --tokenizer DIR. Tokens are random ids (speed does not depend on them); the first third of each
 sequence is the prompt (loss mask 0), the rest the answer.
 
-Every variant runs the real training loop (`dflash.train.train`) in one process:
+Every variant runs the real training loop (`dflash.train.train`), one after the other in one run:
     fixed    the fixed shape bench_train measures: --batch-size sequences of --max-length tokens each (the first
              third prompt, as in the mix), --anchors anchors per sequence; the yardstick the packed run is held to
     padded   the mix, --packing off, --batch-size sequences per micro-batch, at most --max-tokens padded tokens
     packed   the mix, --packing on, one row of --pack-tokens tokens with --pack-anchors anchors per micro-batch
 and each reports: useful tokens/s (real tokens only, after --warmup steps), graphs compiled after the first
 step (recompiles: a packed run has none), median and max step time after warm-up, and peak GPU memory.
+On a GPU each variant runs in a child process of its own (--processes each): nothing one leaves behind
+(compiled graphs, the caching allocator's blocks, a failed variant's frames) reaches the next. In one
+process the 27B packed variant's first step, after the fixed variant, ran past four minutes against about
+one alone (bench/results/h200/length-mix-27b-run3-cut.log).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -141,6 +147,51 @@ def report(rows: list[dict], fixed: float | None) -> str:
     return "\n".join(lines)
 
 
+def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` less each of `flags` and its value (`--flag value` or `--flag=value`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
+def run_in_child(argv: list[str], variant: str) -> dict:
+    """One variant in a child process of its own (this script, the same flags); its row, or its failure."""
+    with tempfile.TemporaryDirectory(prefix="bench-mix-row-") as tmp:
+        rows = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *without(argv, ("--variants", "--json", "--processes")),
+               "--variants", variant, "--processes", "one", "--json", str(rows)]
+        rc = subprocess.run(cmd).returncode  # an exception here (SIGTERM below) kills the child first
+        if rows.exists():
+            return json.loads(rows.read_text())["rows"][0]
+        return {"variant": variant, "error": f"its process ended with exit status {rc} and no row"}
+
+
+def run_here(args, variants: list[str], lengths: list[int], shape: dict, device: torch.device) -> list[dict]:
+    """Every variant in this process, one target for all."""
+    target = random_target(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    mix = items_of(lengths, target.vocab_size, args.seed)
+    rows = []
+    for variant in variants:
+        items = mix if variant != "fixed" else items_of([args.max_length] * len(lengths), target.vocab_size, args.seed)
+        try:
+            rows.append(run_variant(target, items, args, variant, device))
+        except Exception as e:  # one failing variant must not lose the other's figures
+            rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+        # Outside the except block: a failed variant's frames (its drafter, optimizer state, activations) are
+        # released only with its exception. Freed inside it, the next variant started with them still held and
+        # ran out of memory (bench/results/h200/length-mix-27b-run1.log). Each variant compiles afresh.
+        free_memory(device)
+        torch._dynamo.reset()
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default=None, help="27b (Qwen3.5-27B's shape) or large (--hidden/--layers/--vocab); "
@@ -166,7 +217,11 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--fixed-tokens-per-s", type=float, default=None,
                    help="the fixed-shape figure to compare with, where the fixed variant is not run here")
+    p.add_argument("--processes", choices=("one", "each"), default=None,
+                   help="every variant in this process, or each in a child process of its own (default: each on "
+                   "a GPU, one on a CPU)")
     p.add_argument("--json", help="also write the rows here")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
@@ -175,31 +230,26 @@ def main(argv=None) -> int:
                                 ("pack_tokens", 8192, 512), ("pack_anchors", 1024, 64)):
         if getattr(args, key) is None:
             setattr(args, key, on_gpu if gpu else on_cpu)
+    args.processes = args.processes or ("each" if gpu else "one")
     preset = args.preset or ("27b" if gpu else "large")
     shape = QWEN35_27B if preset == "27b" else scaled_qwen35_shape(args.hidden, args.layers, args.vocab)
-    target = random_target(shape, device, torch.bfloat16 if gpu else torch.float32)
-    lengths = (lengths_from_file(args.data, args.tokenizer, args.max_length) if args.data else
-               chat_mix(args.sequences, args.seed, args.max_length))
-    print(json.dumps({"sequences": len(lengths), "median_length": statistics.median(lengths),
-                      "min": min(lengths), "max": max(lengths), "preset": preset, "kind": args.kind}), flush=True)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for variant in variants:
         if variant not in ("fixed", "padded", "packed"):
             p.error(f"unknown variant {variant!r}; choose from fixed, padded, packed")
-    mix = items_of(lengths, target.vocab_size, args.seed)
-    rows = []
-    for variant in variants:
-        items = mix if variant != "fixed" else items_of([args.max_length] * len(lengths), target.vocab_size, args.seed)
-        try:
-            rows.append(run_variant(target, items, args, variant, device))
-        except Exception as e:  # one failing variant must not lose the other's figures
-            rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
-        # Outside the except block: a failed variant's frames (its drafter, optimizer state, activations) are
-        # released only with its exception. Freed inside it, the next variant started with them still held and
-        # ran out of memory (bench/results/h200/length-mix-27b-run1.log). Each variant compiles afresh.
-        free_memory(device)
-        torch._dynamo.reset()
-        print(json.dumps(rows[-1]), flush=True)
+    lengths = (lengths_from_file(args.data, args.tokenizer, args.max_length) if args.data else
+               chat_mix(args.sequences, args.seed, args.max_length))
+    print(json.dumps({"sequences": len(lengths), "median_length": statistics.median(lengths),
+                      "min": min(lengths), "max": max(lengths), "preset": preset, "kind": args.kind,
+                      "processes": args.processes}), flush=True)
+    if args.processes == "each" and len(variants) > 1:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the child goes with us
+        rows = []
+        for variant in variants:
+            rows.append(run_in_child(argv, variant))
+            print(json.dumps(rows[-1]), flush=True)
+    else:
+        rows = run_here(args, variants, lengths, shape, device)
     done = [r for r in rows if "error" not in r]
     print("\n" + report(done, args.fixed_tokens_per_s))
     if args.json:
