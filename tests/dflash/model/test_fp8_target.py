@@ -132,6 +132,13 @@ def test_the_training_path_loads_an_fp8_target(dirs, tmp_path):
     assert target.precision.startswith("fp8") and target.num_layers == 8
 
 
+def in_triton_interpreter(code: str) -> None:
+    """Run `code` in a fresh Python with Triton's CPU interpreter on; it prints 'ok' when its asserts hold."""
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
 def test_triton_block_gemm_matches_the_reference_in_the_interpreter():
     """dflash.model.fp8_triton's kernel run by Triton's CPU interpreter against the dequantised product
     (fp32 accumulation both ways), on shapes with partial blocks in M, N and K."""
@@ -147,9 +154,7 @@ def test_triton_block_gemm_matches_the_reference_in_the_interpreter():
         "    y = block_fp8_matmul(xq, xs, q, s, torch.float32, block_m=16, block_n=32)\n"
         "    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max(), (m, n, k)\n"
         "print('ok')\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+    in_triton_interpreter(code)
 
 
 def test_triton_activation_quantisation_matches_the_reference_in_the_interpreter():
@@ -182,9 +187,7 @@ def test_triton_activation_quantisation_matches_the_reference_in_the_interpreter
         "    cast[(1,)](torch.nn.functional.pad(unrounded, (0, n - unrounded.numel())), want, N=n)\n"
         "    assert torch.equal(xq.flatten().view(torch.uint8), want[:m * k].view(torch.uint8)), (m, k)\n"
         "print('ok')\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+    in_triton_interpreter(code)
 
 
 @pytest.mark.gpu
