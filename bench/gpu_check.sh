@@ -21,7 +21,7 @@
 #   mix           bench/bench_length_mix.py --preset 27b: the fixed 2 x 4096 shape, then a chat-like mix packed
 #                 and padded, one process (MIX_VARIANTS picks them and their order; MIX_LIMIT its seconds, 480)
 #                 -> OUT/length-mix-27b.json
-#   mix-dflash2   the same for a DFlash2 drafter, fixed and packed -> OUT/length-mix-27b-dflash2.json
+#   mix-dflash2   the same for a DFlash2 drafter, fixed and packed (MIX2_VARIANTS) -> OUT/length-mix-27b-dflash2.json
 #   fp8           bench/bench_fp8.py: an FP8 target against bf16 (SM 9.0: scaled_mm, then triton's forward) -> OUT/fp8-27b.json
 #   fp8-cap       the same loops under a 102 GB cap (--layout replicate on a 96 GB card) -> OUT/fp8-27b-cap102.json
 # Everything printed also goes to OUT/gpu_check.log.
@@ -113,7 +113,7 @@ wanted mix && step length-mix-27b "${MIX_LIMIT:-480}" "$PY" "$REPO/bench/bench_l
     $MIX_ARGS --json "$OUT/length-mix-27b.json"
 # shellcheck disable=SC2086
 wanted mix-dflash2 && step length-mix-27b-dflash2 "${MIX_LIMIT:-360}" "$PY" "$REPO/bench/bench_length_mix.py" --preset 27b --kind dflash2 \
-    --variants fixed,packed $MIX_ARGS --json "$OUT/length-mix-27b-dflash2.json"
+    --variants "${MIX2_VARIANTS:-fixed,packed}" $MIX_ARGS --json "$OUT/length-mix-27b-dflash2.json"
 # shellcheck disable=SC2086
 wanted fp8 && step fp8-27b 330 "$PY" "$REPO/bench/bench_fp8.py" --gemms scaled_mm,triton ${FP8_ARGS:-} --json "$OUT/fp8-27b.json"
 wanted fp8-cap && step fp8-27b-cap102 330 "$PY" "$REPO/bench/bench_fp8.py" --cap-gb 102 --json "$OUT/fp8-27b-cap102.json"
