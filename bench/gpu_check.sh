@@ -102,7 +102,7 @@ fi
 # the GPU tests, then the benchmarks
 if wanted tests; then
     # shellcheck disable=SC2046
-    step pytest-gpu 240 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider $(grep -rl --include='test_*.py' "mark.gpu" "$REPO"/tests)
+    step pytest-gpu "${TESTS_LIMIT:-300}" "$PY" -m pytest -q -s -m gpu -p no:cacheprovider $(grep -rl --include='test_*.py' "mark.gpu" "$REPO"/tests)
 fi
 wanted kernels && step kernels 100 "$PY" "$REPO/bench/bench_kernels.py" --json "$OUT/kernels.json"
 # shellcheck disable=SC2086
