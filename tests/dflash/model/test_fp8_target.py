@@ -190,6 +190,33 @@ def test_triton_activation_quantisation_matches_the_reference_in_the_interpreter
     in_triton_interpreter(code)
 
 
+@pytest.mark.parametrize("arch", [90, 120])
+def test_the_triton_kernels_compile_for_the_gpus_they_serve(arch):
+    """Both FP8 kernels compile to a cubin for SM 9.0 and SM 12.0 without a GPU (Triton's own compiler and
+    ptxas): the interpreter above runs the kernels' Python, not their GPU compile. The quantisation divides
+    with IEEE rounding (div.rn), as torch does, not the approximate div.full that Triton's `/` gives."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dflash.model.fp8_triton import _block_fp8_kernel, _quantize_kernel
+
+    ints = dict.fromkeys(("M", "N", "K"), "i32")
+    quant = ASTSource(fn=_quantize_kernel, constexprs={"ROWS": 32, "GROUP": 128, "FMAX": 448.0}, signature={
+        "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32",
+        **{f"stride_{n}": "i32" for n in ("xm", "xk", "qm", "qk", "sm", "sk")},
+        "ROWS": "constexpr", "GROUP": "constexpr", "FMAX": "constexpr"})
+    gemm = ASTSource(fn=_block_fp8_kernel, constexprs={"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
+                                                         "NUM_KB": 40}, signature={
+        "a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16", **ints,
+        **{f"stride_{n}": "i32" for n in ("am", "ak", "asm", "ask", "wn", "wk", "wsn", "wsk", "cm", "cn")},
+        **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_KB"), "constexpr")})
+    target = GPUTarget("cuda", arch, 32)
+    q = triton.compile(quant, target=target)
+    assert q.asm["cubin"] and "div.rn.f32" in q.asm["ptx"] and "div.full.f32" not in q.asm["ptx"]
+    assert triton.compile(gemm, target=target).asm["cubin"]
+
+
 @pytest.mark.gpu
 def test_triton_activation_quantisation_equals_the_reference_on_the_gpu():
     """On an FP8 GPU the kernel's fp8 values and scales equal the eager reference's bit for bit, at the
