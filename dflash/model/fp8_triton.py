@@ -41,10 +41,10 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
     inside = (offs_m < M)[:, None] & (offs_k < K)[None, :]
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=inside, other=0.0)
     x = x.to(tl.float32)
-    # IEEE division (div_rn, operands broadcast to one shape), as torch divides: Triton's `/` on fp32 is an
+    # x / scale with IEEE division (div_rn), as torch divides two tensors: Triton's `/` on fp32 is an
     # approximate division whose last bit can differ, and a value near a rounding boundary then lands on the
-    # neighbouring fp8 value
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full([ROWS], FMAX, tl.float32)), 1e-12)
+    # neighbouring fp8 value. The scale's `/ FMAX` matches torch's division by a Python float as it is.
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FMAX, 1e-12)
     x, by = tl.broadcast(x, scale[:, None])
     q = tl.clamp(tl.math.div_rn(x, by), -FMAX, FMAX).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=inside)
