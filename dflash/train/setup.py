@@ -11,22 +11,33 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 
 FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels refuse narrower heads
+# Compiled flex_attention finds no kernel tile for fewer query rows (torch 2.11 on an H100: 96 rows failed with
+# "No choices exist for backend" at head_dim 16 and 128; 128 and 192 ran).
+FLEX_MIN_QUERY_ROWS = 128
 
 
 def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | None = None) -> str:
-    """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere
-    and for heads narrower than flex's kernels take."""
+    """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere, for
+    heads narrower than flex's kernels take, and for packed rows of fewer drafter query rows
+    (--pack-anchors x --block-size) than compiled flex takes."""
     attention = config.runtime.attention
+    rows = config.optim.pack_anchors * config.model.block_size
+    too_few = packing(config, device) and compile_layers(config, device) and rows < FLEX_MIN_QUERY_ROWS
     if attention == "flex" and device.type != "cuda":
         raise ConfigError(f"--attention flex needs a GPU: flex_attention has no backward on {device.type}; "
                           "use --attention sdpa (or auto, which picks sdpa there).")
     if attention == "flex" and head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM:
         raise ConfigError(f"--attention flex needs head_dim >= {FLEX_MIN_HEAD_DIM} (flex_attention's kernels), but "
                           f"the drafter's heads are {head_dim} wide; use --attention sdpa (or auto).")
+    if attention == "flex" and too_few:
+        raise ConfigError(f"--attention flex compiled needs at least {FLEX_MIN_QUERY_ROWS} drafter query rows per "
+                          f"packed row, but --pack-anchors {config.optim.pack_anchors} x --block-size "
+                          f"{config.model.block_size} is {rows}; raise --pack-anchors to at least "
+                          f"{-(-FLEX_MIN_QUERY_ROWS // config.model.block_size)}, or use --attention sdpa (or auto).")
     if attention != "auto":
         return attention
     wide_enough = head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM
-    return "flex" if device.type == "cuda" and wide_enough else "sdpa"
+    return "flex" if device.type == "cuda" and wide_enough and not too_few else "sdpa"
 
 
 def compile_layers(config: TrainConfig, device: torch.device) -> bool:

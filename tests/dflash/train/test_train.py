@@ -265,3 +265,12 @@ def test_attention_resolves_per_device_and_flex_on_cpu_is_refused(tmp_path):
     assert attention_impl(config(out=str(tmp_path)), cuda, head_dim=8) == "sdpa"  # too narrow for flex
     with pytest.raises(ConfigError, match="head_dim >= 16.*8 wide"):
         attention_impl(config(out=str(tmp_path), attention="flex"), cuda, head_dim=8)
+    # a packed row of fewer than 128 drafter query rows: compiled flex has no kernel tile for it on a GPU
+    few = dict(out=str(tmp_path), pack_anchors=24, block_size=4)
+    assert attention_impl(config(**few), cuda) == "sdpa"
+    assert attention_impl(config(**{**few, "pack_anchors": 32}), cuda) == "flex"
+    assert attention_impl(config(**few, packing="off"), cuda) == "flex"
+    assert attention_impl(config(**few, compile="off"), cuda) == "flex"
+    with pytest.raises(ConfigError, match=r"--pack-anchors 24 x --block-size 4 is 96; raise --pack-anchors to at "
+                                          r"least 32, or use --attention sdpa"):
+        attention_impl(config(**few, attention="flex"), cuda)
