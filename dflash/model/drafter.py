@@ -195,6 +195,12 @@ FLEX_BACKWARD_TILES = {
 }
 
 
+# Compiled flex_attention finds no kernel tile for fewer query rows (torch 2.11 on an H100: 96 rows failed with
+# "No choices exist for backend" at head_dim 16 and 128; 128 and 192 ran). A forward of fewer drafter query
+# rows (anchors x block size: a padded batch of short answers) takes sdpa with the same mask instead.
+FLEX_MIN_QUERY_ROWS = 128
+
+
 def flex_kernel_options(device: torch.device, head_dim: int) -> dict | None:
     """kernel_options for flex_attention on `device` at this head width (None: torch's defaults)."""
     if device.type != "cuda":
@@ -351,12 +357,13 @@ class Drafter(nn.Module):
         rope_q = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, x.dtype)
         rope_kv = rope_cos_sin(torch.cat([ctx_pos, block_pos], dim=1), c.head_dim, c.rope_theta, x.dtype)
         masks = {}  # one per layer type in use: full_attention, sliding_attention (masks.py)
+        flex = self.attention == "flex" and N * bs >= FLEX_MIN_QUERY_ROWS
         for kind in dict.fromkeys(c.layer_types):
             window = c.sliding_window if kind == SLIDING else None
             mask = drafter_attention_mask(anchors, T, bs, context_valid, anchor_valid, sliding_window=window,
                                           context_start=context_start)
             masks[kind] = ((flex_block_mask(mask), flex_kernel_options(mask.device, c.head_dim))
-                           if self.attention == "flex" else mask.unsqueeze(1))
+                           if flex else mask.unsqueeze(1))
 
         for layer, kind in zip(self.layers, c.layer_types):
             x = layer(x, ctx, rope_q, rope_kv, masks[kind])

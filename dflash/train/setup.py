@@ -9,17 +9,16 @@ import torch
 
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
+from dflash.model.drafter import FLEX_MIN_QUERY_ROWS
 
 FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels refuse narrower heads
-# Compiled flex_attention finds no kernel tile for fewer query rows (torch 2.11 on an H100: 96 rows failed with
-# "No choices exist for backend" at head_dim 16 and 128; 128 and 192 ran).
-FLEX_MIN_QUERY_ROWS = 128
 
 
 def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | None = None) -> str:
     """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere, for
     heads narrower than flex's kernels take, and for packed rows of fewer drafter query rows
-    (--pack-anchors x --block-size) than compiled flex takes."""
+    (--pack-anchors x --block-size) than compiled flex takes (every step would run sdpa: see
+    dflash.model.drafter.FLEX_MIN_QUERY_ROWS; a padded batch that short takes sdpa for its own step)."""
     attention = config.runtime.attention
     rows = config.optim.pack_anchors * config.model.block_size
     too_few = packing(config, device) and compile_layers(config, device) and rows < FLEX_MIN_QUERY_ROWS

@@ -212,6 +212,27 @@ def test_flex_attention_equals_sdpa():
         torch.testing.assert_close(flex(*args), sdpa(*args), rtol=1e-4, atol=1e-5)
 
 
+def test_a_flex_drafter_takes_sdpa_below_the_query_rows_compiled_flex_takes(monkeypatch):
+    """Fewer drafter query rows (anchors x block) than FLEX_MIN_QUERY_ROWS: compiled flex has no kernel for them
+    on a GPU, so that forward takes sdpa with the same mask (a padded batch of short answers); at or above it the
+    flex path runs."""
+    import dflash.model.drafter as drafter_module
+
+    sdpa, flex = sdpa_and_flex()
+    short = drafter_module.FLEX_MIN_QUERY_ROWS // BS - 1
+    *args, _ = flex_case(N=short)
+
+    def no_flex(mask):
+        raise AssertionError("the flex path ran")
+
+    monkeypatch.setattr(drafter_module, "flex_block_mask", no_flex)
+    with torch.no_grad():
+        torch.testing.assert_close(flex(*args), sdpa(*args), rtol=1e-4, atol=1e-5)
+        *args, _ = flex_case(N=drafter_module.FLEX_MIN_QUERY_ROWS // BS)
+        with pytest.raises(AssertionError, match="the flex path ran"):
+            flex(*args)
+
+
 def test_unknown_attention_is_named():
     with pytest.raises(ValueError, match="attention must be one of sdpa, flex"):
         Drafter(tiny_config(), attention="flash")
