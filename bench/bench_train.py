@@ -267,10 +267,9 @@ def main(argv=None) -> int:
     args, rest = p.parse_known_args(argv)
     if args.lengths:  # every flag but --lengths goes to the length-mix benchmark as given
         from bench_length_mix import main as length_mix
+        from bench_length_mix import without
 
-        given = list(sys.argv[1:] if argv is None else argv)
-        at = next(i for i, a in enumerate(given) if a == "--lengths" or a.startswith("--lengths="))
-        del given[at:at + (1 if "=" in given[at] else 2)]
+        given = without(list(sys.argv[1:] if argv is None else argv), ("--lengths",))
         return length_mix(([] if args.lengths == "chat" else ["--data", args.lengths]) + given)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
