@@ -28,6 +28,21 @@ settings.register_profile("ci", max_examples=int(os.environ.get("DFLASH_FUZZ_EXA
 settings.register_profile("long", max_examples=20000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("DFLASH_FUZZ_PROFILE", "ci"))
 
+_SCRATCH: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch_root(tmp_path_factory):
+    """Every example's files go under one pytest-managed folder (hypothesis runs a test body many times per
+    function-scoped fixture, so examples make their own folders, here rather than loose in the system temp)."""
+    _SCRATCH.append(tmp_path_factory.mktemp("fuzz"))
+    yield
+    _SCRATCH.pop()
+
+
+def _scratch(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=_SCRATCH[-1]))
+
 REPO = Path(__file__).resolve().parents[1]
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
@@ -39,7 +54,7 @@ CONVERSATION = st.one_of(st.lists(MESSAGE, max_size=4), st.fixed_dictionaries({"
 
 
 def _file(name: str, data: bytes) -> Path:
-    d = Path(tempfile.mkdtemp(prefix="fuzz-"))
+    d = _scratch("fuzz-")
     (d / name).write_bytes(data)
     return d / name
 
@@ -148,7 +163,7 @@ def test_fatbin_elf_reader(cut, flips):
 def test_checkpoint_metadata(latest, steps, state):
     from dflash.train.records.checkpoint import STATE_FILE, latest_checkpoint, load_state, step_dir_name
 
-    root = Path(tempfile.mkdtemp(prefix="fuzz-ckpt-"))
+    root = _scratch("fuzz-ckpt-")
     for s in steps:
         (root / step_dir_name(s)).mkdir(exist_ok=True)
         (root / step_dir_name(s) / STATE_FILE).write_bytes(state)
@@ -179,7 +194,7 @@ METRICS_LINE = st.one_of(METRICS_RECORD.map(lambda r: json.dumps(r).encode()), s
 
 
 def _run_dir(lines: list[bytes], config: bytes | None) -> Path:
-    run = Path(tempfile.mkdtemp(prefix="fuzz-run-"))
+    run = _scratch("fuzz-run-")
     (run / "metrics.jsonl").write_bytes(b"\n".join(lines))
     if config is not None:
         (run / "config.json").write_bytes(config)
@@ -282,7 +297,7 @@ def test_drafter_config_file(config):
     from dflash.errors import DrafterError
     from dflash.io.drafter_dir import read_drafter_config
 
-    directory = Path(tempfile.mkdtemp(prefix="fuzz-drafter-"))
+    directory = _scratch("fuzz-drafter-")
     (directory / "config.json").write_bytes(config)
     (directory / "model.safetensors").write_bytes(b"\x08\0\0\0\0\0\0\0{}      ")
     try:
@@ -320,7 +335,7 @@ def test_resume_checks(latest, cut, flips, drafter):
     from dflash.errors import DflashError
     from dflash.train.precheck import check_resume_checkpoint
 
-    out = Path(tempfile.mkdtemp(prefix="fuzz-resume-"))
+    out = _scratch("fuzz-resume-")
     step = out / "checkpoints" / "step-00000002"
     (step / "drafter").mkdir(parents=True)
     config = _drafter_reference()
@@ -352,7 +367,7 @@ def test_target_config(config):
     from dflash.errors import TargetError
     from dflash.model.target import read_target_config
 
-    directory = Path(tempfile.mkdtemp(prefix="fuzz-target-"))
+    directory = _scratch("fuzz-target-")
     (directory / "config.json").write_bytes(config)
     try:
         read_target_config(directory)

@@ -21,7 +21,7 @@ def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | No
     dflash.model.drafter.FLEX_MIN_QUERY_ROWS; a padded batch that short takes sdpa for its own step)."""
     attention = config.runtime.attention
     rows = config.optim.pack_anchors * config.model.block_size
-    too_few = packing(config, device) and compile_layers(config, device) and rows < FLEX_MIN_QUERY_ROWS
+    too_few = packing(config, device) and rows < FLEX_MIN_QUERY_ROWS  # the drafter runs such rows on sdpa, compiled or not
     if attention == "flex" and device.type != "cuda":
         raise ConfigError(f"--attention flex needs a GPU: flex_attention has no backward on {device.type}; "
                           "use --attention sdpa (or auto, which picks sdpa there).")
@@ -29,7 +29,7 @@ def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | No
         raise ConfigError(f"--attention flex needs head_dim >= {FLEX_MIN_HEAD_DIM} (flex_attention's kernels), but "
                           f"the drafter's heads are {head_dim} wide; use --attention sdpa (or auto).")
     if attention == "flex" and too_few:
-        raise ConfigError(f"--attention flex compiled needs at least {FLEX_MIN_QUERY_ROWS} drafter query rows per "
+        raise ConfigError(f"--attention flex needs at least {FLEX_MIN_QUERY_ROWS} drafter query rows per "
                           f"packed row, but --pack-anchors {config.optim.pack_anchors} x --block-size "
                           f"{config.model.block_size} is {rows}; raise --pack-anchors to at least "
                           f"{-(-FLEX_MIN_QUERY_ROWS // config.model.block_size)}, or use --attention sdpa (or auto).")
