@@ -3,6 +3,7 @@
     python bench/bench_length_mix.py                                  CPU, toy size (a tiny random hybrid)
     python bench/bench_length_mix.py --preset 27b --json out.json     one H200: Qwen3.5-27B's shape
     python bench/bench_length_mix.py --data lengths.txt               the lengths of a real file
+        python bench/bench_length_mix.py --preset 27b --fp8-target      an FP8 target (the 27B shape on an 80 GB card)
     (also: python bench/bench_train.py --lengths chat|FILE ...)
 
 The sequences: --lengths-from chat (default) draws a seeded chat-like mix, log-normal lengths with a median
@@ -46,6 +47,8 @@ sys.path.insert(0, str(REPO))
 
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.kinds import DEFAULT, names  # noqa: E402
+from dflash.model.fp8 import pick_gemm, quantize_model, use_fp8_gemm  # noqa: E402
+from dflash.model.fp8_checkpoint import default_modules_to_not_convert  # noqa: E402
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape  # noqa: E402
 from dflash.train.probes.timing import free_memory, sync  # noqa: E402
 from dflash.train.trainer import train  # noqa: E402
@@ -175,6 +178,11 @@ def run_in_child(argv: list[str], variant: str) -> dict:
 def run_here(args, variants: list[str], lengths: list[int], shape: dict, device: torch.device) -> list[dict]:
     """Every variant in this process, one target for all."""
     target = random_target(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.fp8_target:  # as an FP8 checkpoint loads: 128 x 128 block-scaled weights, the GEMM for this device
+        layers = quantize_model(target.model, default_modules_to_not_convert(target.model))
+        use_fp8_gemm(target.model, pick_gemm(device))
+        free_memory(device)
+        print(json.dumps({"fp8_layers": layers, "gemm": pick_gemm(device)}), flush=True)
     mix = items_of(lengths, target.vocab_size, args.seed)
     rows = []
     for variant in variants:
@@ -215,6 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--fp8-target", action="store_true",
+                   help="quantise the random target to block FP8 (the 27B shape then fits an 80 GB card)")
     p.add_argument("--fixed-tokens-per-s", type=float, default=None,
                    help="the fixed-shape figure to compare with, where the fixed variant is not run here")
     p.add_argument("--processes", choices=("one", "each"), default=None,
@@ -241,7 +251,7 @@ def main(argv=None) -> int:
                chat_mix(args.sequences, args.seed, args.max_length))
     print(json.dumps({"sequences": len(lengths), "median_length": statistics.median(lengths),
                       "min": min(lengths), "max": max(lengths), "preset": preset, "kind": args.kind,
-                      "processes": args.processes}), flush=True)
+                      "target": "fp8" if args.fp8_target else "bf16", "processes": args.processes}), flush=True)
     if args.processes == "each" and len(variants) > 1:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the child goes with us
         rows = []

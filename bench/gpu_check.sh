@@ -19,7 +19,8 @@
 #   kernels       bench/bench_kernels.py -> OUT/kernels.json
 #   train         bench/bench_train.py --presets 27b, sdpa vs flex -> OUT/train-27b.json
 #   mix           bench/bench_length_mix.py --preset 27b: the fixed 2 x 4096 shape, then a chat-like mix packed
-#                 and padded, one process (MIX_VARIANTS picks them and their order; MIX_LIMIT its seconds, 480)
+#                 and padded, each variant in a child process (MIX_VARIANTS picks them and their order; MIX_LIMIT
+#                 its seconds, 480; MIX_ARGS="--fp8-target ..." an FP8 target, which fits an 80 GB card)
 #                 -> OUT/length-mix-27b.json
 #   mix-dflash2   the same for a DFlash2 drafter, fixed and packed (MIX2_VARIANTS) -> OUT/length-mix-27b-dflash2.json
 #   fp8           bench/bench_fp8.py: an FP8 target against bf16 (SM 9.0: scaled_mm, then triton's forward) -> OUT/fp8-27b.json

@@ -76,12 +76,12 @@ def test_multi_drafter_benchmark_at_toy_size(tmp_path):
 
 
 @pytest.mark.slow  # three short training runs of a tiny random hybrid: ~50 s on 2 cores
-@pytest.mark.parametrize("processes", ["one", "each"])
-def test_length_mix_benchmark_runs_fixed_padded_and_packed_side_by_side(tmp_path, processes):
+@pytest.mark.parametrize("processes, target", [("one", "fp8"), ("each", "bf16")])
+def test_length_mix_benchmark_runs_fixed_padded_and_packed_side_by_side(tmp_path, processes, target):
     """bench_train.py --lengths FILE (bench_length_mix.py) on lengths read from a file: the fixed shape, then the
     file's lengths padded and packed, in one run, in one process or each variant in a child process of its own
-    (the GPU default); each reports useful tokens/s, recompiles and step times, and the ratios to the fixed
-    shape are printed."""
+    (the GPU default), against a bf16 or an FP8 target; each reports useful tokens/s, recompiles and step times,
+    and the ratios to the fixed shape are printed."""
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(n) for n in (40, 120, 90, 33, 128, 64, 77, 100, 25, 110, 58, 128)) + "\n")
     out = tmp_path / "mix.json"
@@ -89,7 +89,8 @@ def test_length_mix_benchmark_runs_fixed_padded_and_packed_side_by_side(tmp_path
                           "--json", str(out), "--hidden", "64", "--layers", "2", "--vocab", "512",
                           "--drafter-layers", "1", "--block-size", "4", "--steps", "2", "--warmup", "1",
                           "--max-length", "128", "--max-tokens", "256", "--anchors", "8", "--pack-tokens", "256",
-                          "--pack-anchors", "16", "--variants", "fixed,padded,packed", "--processes", processes],
+                          "--pack-anchors", "16", "--variants", "fixed,padded,packed", "--processes", processes]
+                         + (["--fp8-target"] if target == "fp8" else []),
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -102,7 +103,9 @@ def test_length_mix_benchmark_runs_fixed_padded_and_packed_side_by_side(tmp_path
     assert all(t <= 256 for t in rows["packed"]["tokens_per_step"])
     assert "packed / padded useful tokens/s" in run.stdout
     assert "packed / the fixed-shape figure" in run.stdout and "padded / the fixed-shape figure" in run.stdout
-    assert f'"processes": "{processes}"' in run.stdout
+    assert f'"target": "{target}", "processes": "{processes}"' in run.stdout
+    fp8 = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"fp8_layers"')]
+    assert [f["fp8_layers"] > 0 for f in fp8] == ([True] if target == "fp8" else [])
 
 
 @pytest.mark.slow  # two random targets and two short training loops: ~40 s on 2 cores
