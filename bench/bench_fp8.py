@@ -31,12 +31,15 @@ import bench_train  # noqa: E402  the loop and its config, as bench_train runs t
 SHAPES = {"27b": QWEN35_27B, "toy": scaled_qwen35_shape(128, 4, 512)}
 
 
-def forward_seconds(target, ids, reps: int) -> float:
-    target.context(ids)
+def forward_seconds(target, ids, reps: int, whole: bool = False) -> float:
+    """Seconds per target.context (training's pass, which ends after the last tapped layer), or with `whole`
+    per pass through every layer and the final norm (forward_cached without a cache)."""
+    run = target.forward_cached if whole else target.context
+    run(ids)
     sync(target.device)
     start = time.perf_counter()
     for _ in range(reps):
-        target.context(ids)
+        run(ids)
     sync(target.device)
     return (time.perf_counter() - start) / reps
 
@@ -124,6 +127,10 @@ def main(argv=None) -> int:
     bf16 = result["bf16"]
     bf16["weight_gb"] = weight_bytes(target.model) / 1e9
     bf16["forward_s"] = forward_seconds(target, ids, args.reps)
+    bf16["whole_decoder_s"] = forward_seconds(target, ids, args.reps, whole=True)
+    print(f"bf16 target: context() ending after tapped layer {max(target.layer_ids)} of {target.num_layers} "
+          f"{bf16['forward_s']:.3f} s vs the whole decoder {bf16['whole_decoder_s']:.3f} s "
+          f"({bf16['whole_decoder_s'] / bf16['forward_s']:.3f}x)", flush=True)
     reference = target.context(ids).float().cpu()
     bf16.update(loop(target, args, device, "bf16"))
     print(json.dumps({"bf16": bf16}), flush=True)

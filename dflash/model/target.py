@@ -34,6 +34,7 @@ from dflash.model.fp8_checkpoint import check_fp8_target, fp8_precision
 from dflash.model.kernels import kernel_functions, route_kernels_by_device
 from dflash.model.packed_attention import use_packed_attention
 from dflash.model.segments import Segments
+from dflash.model.tapped_pass import tapped_pass
 
 log = logging.getLogger(__name__)
 
@@ -330,37 +331,28 @@ class Target:
             raise TargetError(f"segments describe {tuple(segments.shape)} tokens, input_ids are {tuple(input_ids.shape)}")
         return {**packed_decoder_kwargs(segments.to(input_ids.device)), "use_cache": False}
 
-    def _run(self, input_ids, attention_mask=None, segments: Segments | None = None,
-             **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, input_ids, attention_mask=None, segments: Segments | None = None, last: bool = True,
+             **cache_kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One decoder pass: ([B,T,H] last hidden after the final norm, [B,T,k*H] tapped states).
         segments (dflash.model.segments) keep the sequences of packed rows apart; cache_kwargs (none: no
-        cache) continue a transformers cache (dflash.target_cache builds them). Not both."""
-        captured: dict[int, torch.Tensor] = {}
-
-        def keep(layer_id):
-            def hook(_module, _inputs, output):
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            return hook
-
+        cache) continue a transformers cache (dflash.target_cache builds them). Not both. last=False: the
+        pass ends after the last tapped layer and the last hidden is None (dflash.model.tapped_pass)."""
         if segments is not None:
             extra = self._packed_kwargs(input_ids, attention_mask, segments, cache_kwargs)
         else:
             extra = cache_kwargs or {"use_cache": False}
-        handles = [self._layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
-        try:
-            out = self._decoder(input_ids=input_ids, attention_mask=attention_mask, **extra)
-        finally:
-            for handle in handles:
-                handle.remove()
+        stop = None if last or cache_kwargs else max(self.layer_ids)
+        out, captured = tapped_pass(self._decoder, self._layers, self.layer_ids, stop,
+                                    input_ids=input_ids, attention_mask=attention_mask, **extra)
         context = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
-        return out.last_hidden_state, context
+        return (out.last_hidden_state if out is not None else None), context
 
     @torch.no_grad()
     def context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 segments: Segments | None = None) -> torch.Tensor:
         """[B,T] ids (+ [B,T] attention mask, or the Segments of packed rows) -> [B,T,len(layer_ids)*H]: tapped
         layers' outputs, concatenated. With segments every packed sequence's states are those it has alone."""
-        return self._run(input_ids, attention_mask, segments)[1]
+        return self._run(input_ids, attention_mask, segments, last=False)[1]
 
     @torch.no_grad()
     def forward_cached(self, input_ids: torch.Tensor, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,3 +123,4 @@ def test_fp8_benchmark_at_toy_size(tmp_path):
     assert row["weight_gb"] < result["bf16"]["weight_gb"]
     assert all(0 < v < 0.5 for v in row["tapped_rel_l2"].values())
     assert "FP8 (dequant) vs bf16: target forward" in run.stdout and "tapped-state divergence" in run.stdout
+    assert result["bf16"]["whole_decoder_s"] > 0 and "vs the whole decoder" in run.stdout

@@ -75,27 +75,16 @@ class StageTarget:
     def run(self, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor | None, segments=None):
         """(hidden after this stage's last layer [B,T,H], its tapped outputs [B,T,n*H] or None); `segments`:
         packed rows, run through the decoder's packed-sequence arguments (no mask)."""
+        from dflash.model.tapped_pass import tapped_pass
         from dflash.model.target import packed_decoder_kwargs
-        captured: dict[int, torch.Tensor] = {}
 
-        def keep(layer_id):
-            def hook(_module, _inputs, output):
-                captured[layer_id] = output[0] if isinstance(output, tuple) else output
-            return hook
-
-        layers = self.target._layers
-        wanted = sorted(set(self.taps) | {self.stop - 1})
-        handles = [layers[i].register_forward_hook(keep(i)) for i in wanted]
-        try:
-            inputs = {"input_ids": ids} if hidden is None else {"inputs_embeds": hidden}
-            if segments is not None:
-                inputs.update(packed_decoder_kwargs(segments), attention_mask=None)
-            else:
-                inputs["attention_mask"] = attn
-            self.target._decoder(use_cache=False, **inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
+        inputs = {"input_ids": ids} if hidden is None else {"inputs_embeds": hidden}
+        if segments is not None:
+            inputs.update(packed_decoder_kwargs(segments), attention_mask=None)
+        else:
+            inputs["attention_mask"] = attn
+        _, captured = tapped_pass(self.target._decoder, self.target._layers, self.taps, self.stop - 1,
+                                  use_cache=False, **inputs)
         taps = torch.cat([captured[i] for i in self.taps], dim=-1).contiguous() if self.taps else None
         return captured[self.stop - 1].contiguous(), taps
 

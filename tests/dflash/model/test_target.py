@@ -44,6 +44,25 @@ def test_context_is_the_tapped_layers_outputs(kind, qwen35_dir, qwen3_dir):
         assert torch.allclose(context[..., slot * H:(slot + 1) * H], hidden[layer + 1], atol=1e-6)
 
 
+def test_context_ends_the_pass_after_the_last_tapped_layer(qwen35_dir):
+    """context() runs no layer after the last tapped one (nothing reads them); a full pass (greedy_next, the
+    cached passes) runs them all, and both give the same tapped states."""
+    target = Target.load(qwen35_dir, layer_ids=[0, 1])
+    assert target.num_layers > 2
+    ran = []
+    handles = [layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k)) for k, layer in enumerate(target._layers)]
+    ids = torch.randint(4, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    context = target.context(ids)
+    assert ran == [0, 1]
+    ran.clear()
+    _, full = target.greedy_next(ids)
+    assert ran == list(range(target.num_layers))
+    assert torch.equal(context, full)
+    for handle in handles:
+        handle.remove()
+    assert not any(layer._forward_hooks for layer in target._layers)  # the pass's own hooks went with it
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3"])
 def test_greedy_next_matches_the_model_logits(kind, qwen35_dir, qwen3_dir):
     target = Target.load(qwen35_dir if kind == "qwen3_5" else qwen3_dir)
