@@ -70,10 +70,14 @@ class StageTarget:
         self.target, self.roles, self.stage, self.device = target, roles, stage, device
         self.start, self.stop = roles.stages[stage]
         self.taps = [i for i in target.layer_ids if self.start <= i < self.stop]
+        # the pass ends after this stage's last layer, whose output the next stage takes; the last stage
+        # passes nothing on, so it ends after its last tapped layer (dflash.model.tapped_pass)
+        last_stage = stage == len(roles.stages) - 1
+        self.end = max(self.taps) if last_stage and self.taps else self.stop - 1
 
     @torch.no_grad()
     def run(self, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor | None, segments=None):
-        """(hidden after this stage's last layer [B,T,H], its tapped outputs [B,T,n*H] or None); `segments`:
+        """(hidden after layer self.end [B,T,H], this stage's tapped outputs [B,T,n*H] or None); `segments`:
         packed rows, run through the decoder's packed-sequence arguments (no mask)."""
         from dflash.model.tapped_pass import tapped_pass
         from dflash.model.target import packed_decoder_kwargs
@@ -83,10 +87,10 @@ class StageTarget:
             inputs.update(packed_decoder_kwargs(segments), attention_mask=None)
         else:
             inputs["attention_mask"] = attn
-        _, captured = tapped_pass(self.target._decoder, self.target._layers, self.taps, self.stop - 1,
+        _, captured = tapped_pass(self.target._decoder, self.target._layers, self.taps, self.end,
                                   use_cache=False, **inputs)
         taps = torch.cat([captured[i] for i in self.taps], dim=-1).contiguous() if self.taps else None
-        return captured[self.stop - 1].contiguous(), taps
+        return captured[self.end].contiguous(), taps
 
 
 def _header(B: int, T: int, S: int = 0) -> torch.Tensor:

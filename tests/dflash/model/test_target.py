@@ -63,6 +63,31 @@ def test_context_ends_the_pass_after_the_last_tapped_layer(qwen35_dir):
     assert not any(layer._forward_hooks for layer in target._layers)  # the pass's own hooks went with it
 
 
+def test_pipeline_stages_end_their_pass_where_nothing_downstream_reads(qwen35_dir):
+    """--layout pipeline: a stage runs through its last layer (the next stage takes its output); the last
+    stage passes nothing on and ends after its last tapped layer. The taps are context()'s."""
+    from dflash.train.parallel.layouts import PipelineRoles
+    from dflash.train.parallel.pipeline import StageTarget
+
+    target = Target.load(qwen35_dir, layer_ids=[0, 1])
+    roles = PipelineRoles(stages=((0, 1), (1, target.num_layers)), world_size=3)
+    ran = []
+    for k, layer in enumerate(target._layers):
+        layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k))
+    ids = torch.randint(4, 96, (1, 6), generator=torch.Generator().manual_seed(3))
+    attn = torch.ones_like(ids)
+    context = target.context(ids)
+    ran.clear()
+    first, last = StageTarget(target, roles, 0, ids.device), StageTarget(target, roles, 1, ids.device)
+    hidden, taps0 = first.run(ids, attn, None)
+    assert ran == [0] and torch.equal(hidden, taps0)
+    ran.clear()
+    _, taps1 = last.run(ids, attn, None)  # every layer is real here: the stage runs from the embedding
+    assert ran == [0, 1] and last.end == 1 < target.num_layers - 1
+    H = target.hidden_size
+    assert torch.equal(taps0, context[..., :H]) and torch.equal(taps1, context[..., H:])
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3"])
 def test_greedy_next_matches_the_model_logits(kind, qwen35_dir, qwen3_dir):
     target = Target.load(qwen35_dir if kind == "qwen3_5" else qwen3_dir)
