@@ -40,6 +40,9 @@ class DrafterKind:
     options: tuple[str, ...]      # the model options (--flags, as ModelConfig fields) its objective takes
     # (drafter, hidden [1,bs,H], anchor token id, target, sampler) -> (tokens [bs-1], q [bs-1,V] or None)
     propose: Callable
+    # bytes per drafter layer x block row x hidden its layers keep for the backward beyond DFlash's, which the
+    # memory model's c_layer was fitted on (dflash.plan.memory); a test measures the surplus on the CPU
+    layer_activation_surplus: float = 0.0
 
     @property
     def auto_map(self) -> dict:

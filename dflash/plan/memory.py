@@ -23,9 +23,10 @@ Terms (bytes), from the code (dflash.train.step, dflash.model.drafter, dflash.ob
   drafter_activations what the drafter's forward keeps for its backward and the fused head's transients,
                       at the worst moment of the step (on the H200 always the end of the forward, with
                       the head's chunks):
-                        c_layer x L x R x H  +  c_ctx x B x T x H  +  c_mask x B x Q x (T + Q)
+                        (c_layer + s) x L x R x H  +  c_ctx x B x T x H  +  c_mask x B x Q x (T + Q)
                         + c_logit x min(M, 2048) x V
-                      (M ~ R x (bs-1)/bs scored rows; 2048: LOSS_CHUNK_ROWS). The c are bytes per element,
+                      (M ~ R x (bs-1)/bs scored rows; 2048: LOSS_CHUNK_ROWS; s: the drafter kind's
+                      layer_activation_surplus over DFlash, 0 for DFlash). The c are bytes per element,
                       measured on the H200 (bench/bench_plan.py fits them on calibration shapes and checks
                       the model on others); in fp32 every activation byte count doubles.
   weights_in_flight   c_param x P / D: autocast's bf16 copies of the weights during the drafter's step
@@ -114,7 +115,7 @@ def activation_terms(target: TargetShape, drafter: DrafterShape, mb: MicroBatch,
     R = B * Q
     scored = R * (drafter.block_size - 1) // drafter.block_size
     target_fwd = c["target"] * B * T * H
-    drafter_act = (c["layer"] * drafter.layers * R * H + c["ctx"] * B * T * H + c["mask"] * B * Q * (T + Q)
+    drafter_act = ((c["layer"] + drafter.layer_surplus) * drafter.layers * R * H + c["ctx"] * B * T * H + c["mask"] * B * Q * (T + Q)
                    + c["logit"] * min(scored, LOSS_CHUNK_ROWS) * target.vocab)
     return {"target_forward": scale * target_fwd / GB, "drafter_activations": scale * drafter_act / GB,
             "weights_in_flight": c["param"] * drafter.params / GB}

@@ -179,7 +179,7 @@ def stacked(drafters: list[DrafterShape]) -> DrafterShape:
     return DrafterShape(layers=max(dr.layers for dr in drafters), hidden=largest.hidden,
                         tapped=max(dr.tapped for dr in drafters), block_size=max(dr.block_size for dr in drafters),
                         params=sum(dr.params for dr in drafters), unit_params=max(dr.unit_params for dr in drafters),
-                        config=largest.config)
+                        config=largest.config, layer_surplus=max(dr.layer_surplus for dr in drafters))
 
 
 def worst_micro_batches(config, world: int, packed: bool) -> list[MicroBatch]:

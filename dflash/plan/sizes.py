@@ -75,6 +75,7 @@ class DrafterShape:
     params: int
     unit_params: int     # the largest FSDP unit: one decoder layer
     config: object       # the DrafterConfig it was counted from (FLOPs read it)
+    layer_surplus: float = 0.0  # its kind's layer_activation_surplus (dflash.kinds.kind)
 
 
 def _meta_params(module: torch.nn.Module) -> int:
@@ -282,4 +283,5 @@ def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, ta
     with torch.device("meta"):
         drafter = drafter_kind.build(config)
     return DrafterShape(layers=layers, hidden=target.hidden, tapped=len(ids), block_size=block_size,
-                        params=_meta_params(drafter), unit_params=_meta_params(drafter.layers[0]), config=config)
+                        params=_meta_params(drafter), unit_params=_meta_params(drafter.layers[0]), config=config,
+                        layer_surplus=drafter_kind.layer_activation_surplus)
