@@ -175,7 +175,8 @@ class Lane:
                 backward(sums, self.d, self.config.optim.grad_accum)
         except torch.OutOfMemoryError as exc:
             raise TrainError(oom_message(self.config, tuple(batch["input_ids"].shape),
-                                         sum(int(a.numel()) for a in anchors), self.target.vocab_size)) from exc
+                                         sum(int(a.numel()) for a in anchors), self.target.vocab_size,
+                                         packed=self.packed)) from exc
         return sums.detached()
 
     def _apply_step(self, totals: torch.Tensor) -> dict:

@@ -152,14 +152,17 @@ def backward(sums: StepSums, d: distributed.Dist, grad_accum: int) -> None:
     (sums.loss_sum * scale).backward()
 
 
-def oom_message(config, shape: tuple[int, int], n_anchors: int, vocab: int) -> str:
-    """What an out-of-memory error on a micro-batch of `shape` [B, T] says: its size and the knobs that shrink it."""
+def oom_message(config, shape: tuple[int, int], n_anchors: int, vocab: int, packed: bool = False) -> str:
+    """What an out-of-memory error on a micro-batch of `shape` [B, T] says: its size and the knobs that shrink it
+    (a packed run's: --pack-anchors and --pack-tokens; a padded run's: the batch's bounds)."""
     (B, T), model, optim = shape, config.model, config.optim
+    knobs = (f"Lower --pack-anchors (now {optim.pack_anchors}) or --pack-tokens (now {optim.pack_tokens})"
+             if packed else
+             f"Lower --max-anchors (now {model.max_anchors}), --max-tokens (now {optim.max_tokens}), "
+             f"--batch-size (now {optim.batch_size}) or --max-length (now {model.max_length})")
     return (
         f"out of memory on a micro-batch of {B} x {T} tokens with {n_anchors} anchors x block "
         f"{model.block_size} ({n_anchors * model.block_size} drafter positions; logits over {vocab} tokens "
-        f"are taken {LOSS_CHUNK_ROWS} rows at a time). "
-        f"Lower --max-anchors (now {model.max_anchors}), --max-tokens (now {optim.max_tokens}), "
-        f"--batch-size (now {optim.batch_size}) or --max-length (now {model.max_length}); "
+        f"are taken {LOSS_CHUNK_ROWS} rows at a time). {knobs}; "
         "raise --grad-accum to keep the same tokens per optimizer step."
     )

@@ -154,3 +154,17 @@ def test_a_pack_gives_the_loss_and_gradients_of_the_padded_batch(tiny, kind, thr
     for name, g in grads.items():
         scale = ref_grads[name].abs().max().clamp(min=1e-12)
         assert (g - ref_grads[name]).abs().max() / scale < 1e-5, name
+
+
+def test_out_of_memory_names_the_knobs_of_the_run_it_happened_in():
+    """A packed micro-batch that runs out of memory names --pack-anchors / --pack-tokens, a padded one the
+    padded batch's bounds (a packed run on an H100 was told to lower --max-anchors, which packs ignore)."""
+    from dflash.config import TrainConfig
+    from dflash.train.step import oom_message
+
+    config = TrainConfig.from_flat(out="x", pack_tokens=8192, pack_anchors=1024, max_anchors=512)
+    packed = oom_message(config, (1, 8192), 1024, 248320, packed=True)
+    assert "Lower --pack-anchors (now 1024) or --pack-tokens (now 8192)" in packed and "--max-anchors" not in packed
+    padded = oom_message(config, (2, 4096), 1024, 248320)
+    assert "Lower --max-anchors (now 512)" in padded and "--pack-anchors" not in padded
+    assert "--grad-accum" in packed and "--grad-accum" in padded
