@@ -3,7 +3,7 @@
     python bench/bench_length_mix.py                                  CPU, toy size (a tiny random hybrid)
     python bench/bench_length_mix.py --preset 27b --json out.json     one H200: Qwen3.5-27B's shape
     python bench/bench_length_mix.py --data lengths.txt               the lengths of a real file
-        python bench/bench_length_mix.py --preset 27b --fp8-target      an FP8 target (the 27B shape on an 80 GB card)
+    python bench/bench_length_mix.py --preset 27b --fp8-target        an FP8 target (the 27B shape on an 80 GB card)
     (also: python bench/bench_train.py --lengths chat|FILE ...)
 
 The sequences: --lengths-from chat (default) draws a seeded chat-like mix, log-normal lengths with a median

@@ -81,7 +81,8 @@ KIND = DrafterKind(
     objective=objective, options=("selector_missing",), propose=propose,
     # the two dynamic convolutions per layer keep their inputs, coefficients and outputs: 44.5-45.0 bytes per
     # layer x row x H more than a DFlash layer (two shapes; rounded up), counted as saved tensors under bf16
-    # autocast on the CPU (uncompiled; tests/dflash/plan/test_dflash2_plan.py). On an H100 with an FP8 27B target, 8192-token packs ran at 512
-    # anchors and ran out of memory at 1,024, which the model without it accepted (84.7 GB of 85.5).
+    # autocast on the CPU (uncompiled; tests/dflash/plan/test_dflash2_plan.py). On an H100 with an FP8 27B
+    # target, 8192-token packs ran at 512 anchors and ran out of memory at 1,024, which the model without it
+    # accepted (84.7 GB of 85.5).
     layer_activation_surplus=46.0,
 )
