@@ -22,7 +22,9 @@ step (recompiles: a packed run has none), median and max step time after warm-up
 On a GPU each variant runs in a child process of its own (--processes each): nothing one leaves behind
 (compiled graphs, the caching allocator's blocks, a failed variant's frames) reaches the next. In one
 process the 27B packed variant's first step, after the fixed variant, ran past four minutes against about
-one alone (bench/results/h200/length-mix-27b-run3-cut.log).
+one alone (bench/results/h200/length-mix-27b-run3-cut.log). A child is stopped once its last step ends and its
+row is written: the trainer's end-of-run checkpoint (about 45 s at the 27B shape) is not measured, and a run cut
+off by a time limit keeps every row written before (--json is rewritten as each variant ends).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,10 +97,13 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def run_variant(target, items: list[dict], args, variant: str, device: torch.device) -> dict:
-    """One training run of `args.steps + args.warmup` steps; per-step times and the figures above."""
+def run_variant(target, items: list[dict], args, variant: str, device: torch.device,
+                on_row: Callable[[dict], None] | None = None) -> dict:
+    """One training run of `args.steps + args.warmup` steps; per-step times and the figures above. `on_row`
+    gets the row as soon as the last step ends, before the trainer writes its end-of-run checkpoint (the
+    drafter and its AdamW state: about 20 GiB and 45 s at the 27B shape, which the benchmark does not measure)."""
     packed = variant == "packed"
-    stamps, graphs, peaks = [], [], []
+    stamps, graphs, peaks, row = [], [], [], {}
 
     def on_step(step, m):
         sync(device)
@@ -106,27 +112,37 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
         peaks.append(m.get("gpu_mem_gib", 0.0))  # the step's peak: the trainer resets the counter every step
         took = stamps[-1][0] - (stamps[-2][0] if len(stamps) > 1 else start)
         print(f"{variant}: step {len(stamps)} took {took:.3f} s, {m['tokens']} tokens", file=sys.stderr, flush=True)
+        if len(stamps) == args.steps + args.warmup:
+            row.update(step_figures(variant, start, stamps, graphs, peaks if device.type == "cuda" else [], args.warmup))
+            if on_row:
+                on_row(row)
         return False
 
     batching = (dict(packing="on", pack_tokens=args.pack_tokens, pack_anchors=args.pack_anchors) if packed else
                 dict(packing="off", batch_size=args.batch_size, max_tokens=args.max_tokens, max_anchors=args.anchors))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with tempfile.TemporaryDirectory(prefix="bench-mix-") as out:
+    with tempfile.TemporaryDirectory(prefix="bench-mix-", dir=args.work_dir) as out:
         cfg = TrainConfig.from_flat(out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
                                     max_length=args.max_length, max_steps=args.steps + args.warmup, epochs=0,
                                     save_every=0, log_every=10**6, progress=False, device=str(device),
                                     memory_check=False, drafter_kind=args.kind, **batching)
         start = time.perf_counter()  # on_step reads it: the first step's time runs from here
         train(cfg, target=target, items=items, on_step=on_step, handle_signals=False)
+    return row or step_figures(variant, start, stamps, graphs, peaks if device.type == "cuda" else [], args.warmup)
+
+
+def step_figures(variant: str, start: float, stamps: list[tuple[float, int]], graphs: list[int], peaks: list[float],
+                 warmup: int) -> dict:
+    """A variant's row from its steps' (end time, tokens), graph counts and GPU peaks (none on a CPU)."""
     times = [b[0] - a[0] for a, b in zip([(start, 0)] + stamps, stamps)]
-    timed, tokens = times[args.warmup:], [t for _, t in stamps[args.warmup:]]
+    timed, tokens = times[warmup:], [t for _, t in stamps[warmup:]]
     row = {"variant": variant, "steps": len(stamps),
            "useful_tokens_per_s": sum(tokens) / sum(timed), "median_step_s": statistics.median(timed),
            "max_step_s": max(timed), "first_step_s": times[0],
            "recompiles_after_first_step": graphs[-1] - graphs[0] if graphs else 0,
            "step_seconds": [round(t, 4) for t in times], "tokens_per_step": [t for _, t in stamps]}
-    if device.type == "cuda":  # the largest step peak (max_memory_allocated now would be the last step's tail)
+    if peaks:  # the largest step peak (max_memory_allocated after training would be the last step's tail)
         row["peak_memory_gib"] = max(peaks)
     return row
 
@@ -165,19 +181,34 @@ def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 
 def run_in_child(argv: list[str], variant: str) -> dict:
-    """One variant in a child process of its own (this script, the same flags); its row, or its failure."""
+    """One variant in a child process of its own (this script, the same flags); its row, or its failure. The
+    child writes its row when its last step ends; it is then stopped, so the trainer's end-of-run checkpoint
+    (not measured) costs no time, and its run directory, made in this process's temporary folder, goes with it."""
     with tempfile.TemporaryDirectory(prefix="bench-mix-row-") as tmp:
         rows = Path(tmp) / "rows.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *without(argv, ("--variants", "--json", "--processes")),
-               "--variants", variant, "--processes", "one", "--json", str(rows)]
-        rc = subprocess.run(cmd).returncode  # an exception here (SIGTERM below) kills the child first
+        cmd = [sys.executable, str(Path(__file__).resolve()),
+               *without(argv, ("--variants", "--json", "--processes", "--work-dir")),
+               "--variants", variant, "--processes", "one", "--json", str(rows), "--work-dir", tmp]
+        with subprocess.Popen(cmd) as child:
+            try:
+                while child.poll() is None and not rows.exists():
+                    time.sleep(0.5)
+            finally:  # the row is in, or an exception here (SIGTERM below): the child goes first
+                if child.poll() is None:
+                    child.terminate()
+                    try:
+                        child.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        child.kill()
         if rows.exists():
             return json.loads(rows.read_text())["rows"][0]
-        return {"variant": variant, "error": f"its process ended with exit status {rc} and no row"}
+        return {"variant": variant, "error": f"its process ended with exit status {child.returncode} and no row"}
 
 
-def run_here(args, variants: list[str], lengths: list[int], shape: dict, device: torch.device) -> list[dict]:
-    """Every variant in this process, one target for all."""
+def run_here(args, variants: list[str], lengths: list[int], shape: dict, device: torch.device,
+             save: Callable[[list[dict]], None]) -> list[dict]:
+    """Every variant in this process, one target for all; `save` gets the rows so far each time one is done
+    (the row of a variant as soon as its last step ends)."""
     target = random_target(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.fp8_target:  # as an FP8 checkpoint loads: 128 x 128 block-scaled weights, the GEMM for this device
         layers = quantize_model(target.model, default_modules_to_not_convert(target.model))
@@ -189,7 +220,7 @@ def run_here(args, variants: list[str], lengths: list[int], shape: dict, device:
     for variant in variants:
         items = mix if variant != "fixed" else items_of([args.max_length] * len(lengths), target.vocab_size, args.seed)
         try:
-            rows.append(run_variant(target, items, args, variant, device))
+            rows.append(run_variant(target, items, args, variant, device, on_row=lambda row: save(rows + [row])))
         except Exception as e:  # one failing variant must not lose the other's figures
             rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
         # Outside the except block: a failed variant's frames (its drafter, optimizer state, activations) are
@@ -197,6 +228,7 @@ def run_here(args, variants: list[str], lengths: list[int], shape: dict, device:
         # ran out of memory (bench/results/h200/length-mix-27b-run1.log). Each variant compiles afresh.
         free_memory(device)
         torch._dynamo.reset()
+        save(rows)
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -231,7 +263,9 @@ def main(argv=None) -> int:
     p.add_argument("--processes", choices=("one", "each"), default=None,
                    help="every variant in this process, or each in a child process of its own (default: each on "
                    "a GPU, one on a CPU)")
-    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--json", help="also write the rows here (rewritten as each variant ends)")
+    p.add_argument("--work-dir", help="where each variant's run directory is made (default: the system's temporary "
+                   "folder)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -253,19 +287,26 @@ def main(argv=None) -> int:
     print(json.dumps({"sequences": len(lengths), "median_length": statistics.median(lengths),
                       "min": min(lengths), "max": max(lengths), "preset": preset, "kind": args.kind,
                       "target": "fp8" if args.fp8_target else "bf16", "processes": args.processes}), flush=True)
+
+    def save(rows: list[dict]) -> None:  # written whole under another name, then renamed: a reader sees whole rows
+        if args.json:
+            tmp = Path(f"{args.json}.tmp")
+            tmp.write_text(json.dumps({"lengths": {"n": len(lengths), "median": statistics.median(lengths)},
+                                       "rows": rows}, indent=2) + "\n")
+            tmp.replace(args.json)
+
     if args.processes == "each" and len(variants) > 1:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the child goes with us
         rows = []
         for variant in variants:
             rows.append(run_in_child(argv, variant))
+            save(rows)
             print(json.dumps(rows[-1]), flush=True)
     else:
-        rows = run_here(args, variants, lengths, shape, device)
+        rows = run_here(args, variants, lengths, shape, device, save)
     done = [r for r in rows if "error" not in r]
     print("\n" + report(done, args.fixed_tokens_per_s))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"lengths": {"n": len(lengths), "median": statistics.median(lengths)},
-                                               "rows": rows}, indent=2) + "\n")
+    save(rows)
     return 0 if len(done) == len(rows) else 1
 
 

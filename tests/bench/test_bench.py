@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,14 +85,15 @@ def test_length_mix_benchmark_runs_fixed_padded_and_packed_side_by_side(tmp_path
     and the ratios to the fixed shape are printed."""
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(n) for n in (40, 120, 90, 33, 128, 64, 77, 100, 25, 110, 58, 128)) + "\n")
-    out = tmp_path / "mix.json"
+    out, system_tmp = tmp_path / "mix.json", tmp_path / "tmp"
+    system_tmp.mkdir()
     run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_train.py"), "--lengths", str(lengths),
                           "--json", str(out), "--hidden", "64", "--layers", "2", "--vocab", "512",
                           "--drafter-layers", "1", "--block-size", "4", "--steps", "2", "--warmup", "1",
                           "--max-length", "128", "--max-tokens", "256", "--anchors", "8", "--pack-tokens", "256",
                           "--pack-anchors", "16", "--variants", "fixed,padded,packed", "--processes", processes]
                          + (["--fp8-target"] if target == "fp8" else []),
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(system_tmp)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["lengths"]["n"] == 12
@@ -106,6 +108,35 @@ def test_length_mix_benchmark_runs_fixed_padded_and_packed_side_by_side(tmp_path
     assert f'"target": "{target}", "processes": "{processes}"' in run.stdout
     fp8 = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"fp8_layers"')]
     assert [f["fp8_layers"] > 0 for f in fp8] == ([True] if target == "fp8" else [])
+    leftovers = [p.name for p in system_tmp.iterdir() if p.name.startswith("bench-mix")]
+    assert not leftovers, leftovers  # children stopped after their rows leave no run directory behind
+
+
+@pytest.mark.slow  # one short training run of a tiny random hybrid: ~15 s on 2 cores
+def test_length_mix_writes_a_variants_row_before_the_end_of_run_checkpoint(tmp_path, monkeypatch):
+    """The row of a variant is in --json when its last step ends, before the trainer's end-of-run checkpoint
+    (about 45 s at the 27B shape, not measured): a parent stops its child there, and a run cut off later
+    keeps the row."""
+    from dflash.train.lane import Lane
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import bench_length_mix
+
+    out, seen = tmp_path / "mix.json", []
+    save = Lane.save
+
+    def save_after_looking(lane):
+        seen.append([r["variant"] for r in json.loads(out.read_text())["rows"]] if out.exists() else None)
+        return save(lane)
+
+    monkeypatch.setattr(Lane, "save", save_after_looking)
+    code = bench_length_mix.main(["--json", str(out), "--hidden", "64", "--layers", "2", "--vocab", "512",
+                                  "--drafter-layers", "1", "--block-size", "4", "--steps", "2", "--warmup", "1",
+                                  "--sequences", "12", "--max-length", "128", "--pack-tokens", "256",
+                                  "--pack-anchors", "16", "--variants", "packed", "--work-dir", str(tmp_path)])
+    assert code == 0
+    assert seen == [["packed"]]
+    assert [r["steps"] for r in json.loads(out.read_text())["rows"]] == [3]
 
 
 @pytest.mark.slow  # two random targets and two short training loops: ~40 s on 2 cores
