@@ -48,6 +48,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.cmd import kill_group  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.kinds import DEFAULT, names  # noqa: E402
 from dflash.model.fp8 import pick_gemm, quantize_model, use_fp8_gemm  # noqa: E402
@@ -182,24 +183,20 @@ def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 def run_in_child(argv: list[str], variant: str) -> dict:
     """One variant in a child process of its own (this script, the same flags); its row, or its failure. The
-    child writes its row when its last step ends; it is then stopped, so the trainer's end-of-run checkpoint
-    (not measured) costs no time, and its run directory, made in this process's temporary folder, goes with it."""
+    child writes its row when its last step ends; it is then stopped with every process it started (inductor's
+    compile workers), so the trainer's end-of-run checkpoint (not measured) costs no time, and its run directory,
+    made in this process's temporary folder, goes with it."""
     with tempfile.TemporaryDirectory(prefix="bench-mix-row-") as tmp:
         rows = Path(tmp) / "rows.json"
         cmd = [sys.executable, str(Path(__file__).resolve()),
                *without(argv, ("--variants", "--json", "--processes", "--work-dir")),
                "--variants", variant, "--processes", "one", "--json", str(rows), "--work-dir", tmp]
-        with subprocess.Popen(cmd) as child:
-            try:
-                while child.poll() is None and not rows.exists():
-                    time.sleep(0.5)
-            finally:  # the row is in, or an exception here (SIGTERM below): the child goes first
-                if child.poll() is None:
-                    child.terminate()
-                    try:
-                        child.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        child.kill()
+        child = subprocess.Popen(cmd, start_new_session=True)  # its compile workers in its session
+        try:
+            while child.poll() is None and not rows.exists():
+                time.sleep(0.5)
+        finally:  # the row is in, or an exception here (SIGTERM below): the child and its workers go first
+            kill_group(child, grace=30)
         if rows.exists():
             return json.loads(rows.read_text())["rows"][0]
         return {"variant": variant, "error": f"its process ended with exit status {child.returncode} and no row"}
