@@ -12,7 +12,7 @@ import pytest
 from images import export, imageinfo, oci, records, template
 from images.errors import ExportError
 from tests.conftest import need_tools
-from loopback.demo_image import demo_image
+from tests.support.demo_image import demo_image_or_skip
 from common.fsutil import sha256_file
 
 
@@ -109,12 +109,8 @@ def test_missing_image_is_a_clear_error():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    pytest.importorskip("docker")
     need_tools("skopeo", "zstd")  # skopeo writes the OCI archive, zstd compresses the template
-    try:
-        image = demo_image()
-    except Exception as e:  # no engine, no base
-        pytest.skip(f"cannot build the demo image: {e}")
+    image = demo_image_or_skip()
     out = tmp_path_factory.mktemp("export")
     return image, out, export.export(image, "both", out, epoch=1700000000, progress=False)
 

@@ -9,18 +9,35 @@ import tempfile
 from pathlib import Path
 
 
+def ensure_base() -> None:
+    """dflash-base:bookworm, bootstrapped when the engine lacks it (as `make image` does: root, debootstrap and
+    the Debian mirror), so the test images have the same base whichever test builds one first."""
+    import docker
+
+    from images.base import DEFAULT_TAG, bootstrap
+
+    if DEFAULT_TAG not in {t for img in docker.from_env().images.list() for t in img.tags}:
+        bootstrap()
+
+
 def demo_image_or_skip() -> str:
-    """loopback.demo_image.demo_image() for a fixture: skips the test with the reason when no engine can
-    build it (the conftest turns that skip into a failure where the docker tier is required)."""
+    """loopback.demo_image.demo_image() for a fixture, FROM dflash-base:bookworm (bootstrapped when missing;
+    where it cannot be, demo_image() takes a busybox rootfs): skips the test with the reasons when no engine
+    can build it (the conftest turns that skip into a failure where the docker tier is required)."""
     import pytest
 
     pytest.importorskip("docker")
     from loopback.demo_image import demo_image
 
     try:
+        ensure_base()
+        no_base = ""
+    except Exception as e:  # not root, no mirror: a busybox rootfs may still do
+        no_base = f" (bootstrapping dflash-base:bookworm failed: {e})"
+    try:
         return demo_image()
     except Exception as e:
-        pytest.skip(f"cannot build the demo image: {e}")
+        pytest.skip(f"cannot build the demo image: {e}{no_base}")
 
 
 PYTHON_TAG = "dflash-export-python:test"
@@ -49,15 +66,9 @@ def python_image() -> str:
     transformers: cp311 wheels, several GB a copy would cost) there, and the source tree at its own path
     (PYTHONPATH). Needs dflash-base:bookworm (bootstrapped when missing, as `make image` does) and the
     Debian mirror for python3."""
-    import docker
-
-    from images.base import DEFAULT_TAG, bootstrap
     from images.engine import docker_cli
 
-    client = docker.from_env()
-    names = {t for img in client.images.list() for t in img.tags}
-    if DEFAULT_TAG not in names:
-        bootstrap()
+    ensure_base()
     repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as ctx:
         Path(ctx, "Dockerfile").write_text(PYTHON_DOCKERFILE.format(repo=repo))
