@@ -12,11 +12,10 @@ from pathlib import Path
 def ensure_base() -> None:
     """dflash-base:bookworm, bootstrapped when the engine lacks it (as `make image` does: root, debootstrap and
     the Debian mirror), so the test images have the same base whichever test builds one first."""
-    import docker
-
     from images.base import DEFAULT_TAG, bootstrap
+    from images.engine import image_exists
 
-    if DEFAULT_TAG not in {t for img in docker.from_env().images.list() for t in img.tags}:
+    if not image_exists(DEFAULT_TAG):  # checked here: bootstrap() would say "exists" for every test image
         bootstrap()
 
 
