@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,20 +238,18 @@ def check_turn_order(messages: list[dict]) -> None:
                              "tool result follows the assistant message that called the tool")
 
 
-def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], DataReport]:
-    """Read chat conversations from a JSONL file (one conversation per line; blank lines ignored).
+def chat_lines(path, report: DataReport, on_error: str = "skip") -> Iterator[tuple[int, object, list[dict]]]:
+    """(line number, JSON record, messages) of each good conversation in a chat JSONL file, counted in `report`.
 
-    on_error="stop": the first bad line raises DataError naming the file and line number.
-    on_error="skip": bad lines are counted in the report (reason "bad_json" or "bad_conversation").
-    A conversation may end with a user prompt and no answer: `regenerate` fills it in.
+    Blank lines are ignored, a UTF-8 BOM on the first line is dropped. on_error="stop": the first bad line raises
+    DataError naming the file and line number; on_error="skip": bad lines are counted in the report (reason
+    "bad_json" or "bad_conversation") and left out.
     """
     if on_error not in ("skip", "stop"):
         raise ValueError(f"on_error must be 'skip' or 'stop', got {on_error!r}")
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file; pass a JSONL file with one conversation per line")
-    report = DataReport(source=str(path))
-    conversations = []
     with path.open("rb") as lines:
         for lineno, raw in enumerate(lines, start=1):
             if lineno == 1:  # a UTF-8 BOM (Windows editors) is not part of the first conversation
@@ -259,22 +258,32 @@ def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], Dat
                 continue
             report.n_read += 1
             try:
-                conversations.append(parse_conversation(json.loads(raw.decode("utf-8"))))
-                report.n_kept += 1
+                record = json.loads(raw.decode("utf-8"))
+                messages = parse_conversation(record)
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                reason = bad_record_reason(exc)
                 detail = f"{path}:{lineno}: {exc}"
                 if on_error == "stop":
                     raise DataError(f"{detail}; fix or delete that line, or skip bad lines (--on-bad-line skip, "
                                     "on_error='skip')") from None
-                report.skip(reason, detail)
+                report.skip(bad_record_reason(exc), detail)
+                continue
+            yield lineno, record, messages
+
+
+def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], DataReport]:
+    """Read chat conversations from a JSONL file (one conversation per line; bad lines as `chat_lines` treats them).
+
+    A conversation may end with a user prompt and no answer: `regenerate` fills it in.
+    """
+    report = DataReport(source=str(path))
+    conversations = [messages for _, _, messages in chat_lines(path, report, on_error)]
+    report.n_kept = len(conversations)
     if report.n_read == 0:
         raise DataError(f"{path} is empty (no conversation on any line); pass a JSONL file with one "
                         '{"messages": [...]} conversation per line')
     if report.n_skipped:
         log.warning("%s; first problems: %s", report.summary(), "; ".join(report.examples))
     return conversations, report
-
 
 
 def jsonl_record(messages: list[dict]) -> dict:

@@ -36,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.chat import Conversation, DataReport, bad_record_reason, jsonl_record, parse_conversation, tools_of
+from dflash.data.chat import Conversation, DataReport, chat_lines, jsonl_record, tools_of
 from dflash.errors import ConfigError, DataError, ServerError
 from dflash.regenerate.local import reply_slots
 from dflash.regenerate.client import ChatClient, RequestFailed, Stopped
@@ -78,38 +78,20 @@ def prompt_hash(messages: list[dict]) -> str:
 def read_conversations(path, on_error: str = "skip") -> tuple[list[Item], DataReport]:
     """The conversations of a chat JSONL with their keys (see the module docstring); bad lines as
     load_chat_jsonl treats them. Two records with the same `id` are a DataError naming both lines."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file; pass a JSONL file with one conversation per line")
     report, items, seen, hashes = DataReport(source=str(path)), [], {}, Counter()
-    with path.open("rb") as lines:
-        for lineno, raw in enumerate(lines, start=1):
-            if lineno == 1:  # a UTF-8 BOM (Windows editors) is not part of the first conversation
-                raw = raw.removeprefix(b"\xef\xbb\xbf")
-            if not raw.strip():
-                continue
-            report.n_read += 1
-            try:
-                record = json.loads(raw.decode("utf-8"))
-                messages = parse_conversation(record)
-            except ValueError as exc:
-                detail = f"{path}:{lineno}: {exc}"
-                if on_error == "stop":
-                    raise DataError(f"{detail}; fix or delete that line, or pass --on-bad-line skip") from None
-                report.skip(bad_record_reason(exc), detail)
-                continue
-            if isinstance(record, dict) and record.get("id") is not None:
-                key = str(record["id"])
-                if key in seen:
-                    raise DataError(f"{path}: lines {seen[key]} and {lineno} have the same id {key!r}; ids "
-                                    "identify conversations for --resume, so they must be unique.")
-            else:
-                key = prompt_hash(messages)
-                hashes[key] += 1
-                key = key if hashes[key] == 1 else f"{key}~{hashes[key] - 1}"
-            seen[key] = lineno
-            items.append(Item(key, lineno, messages))
-            report.n_kept += 1
+    for lineno, record, messages in chat_lines(path, report, on_error):
+        if isinstance(record, dict) and record.get("id") is not None:
+            key = str(record["id"])
+            if key in seen:
+                raise DataError(f"{path}: lines {seen[key]} and {lineno} have the same id {key!r}; ids "
+                                "identify conversations for --resume, so they must be unique.")
+        else:
+            key = prompt_hash(messages)
+            hashes[key] += 1
+            key = key if hashes[key] == 1 else f"{key}~{hashes[key] - 1}"
+        seen[key] = lineno
+        items.append(Item(key, lineno, messages))
+        report.n_kept += 1
     if report.n_skipped:
         log.warning("%s; first problems: %s", report.summary(), "; ".join(report.examples))
     return items, report
