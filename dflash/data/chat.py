@@ -239,7 +239,8 @@ def check_turn_order(messages: list[dict]) -> None:
 
 
 def chat_lines(path, report: DataReport, on_error: str = "skip") -> Iterator[tuple[int, object, list[dict]]]:
-    """(line number, JSON record, messages) of each good conversation in a chat JSONL file, counted in `report`.
+    """(line number, JSON record, messages) of each good conversation in a chat JSONL file, counted in `report`
+    (the skipped lines are logged once the file is read).
 
     Blank lines are ignored, a UTF-8 BOM on the first line is dropped. on_error="stop": the first bad line raises
     DataError naming the file and line number; on_error="skip": bad lines are counted in the report (reason
@@ -267,7 +268,10 @@ def chat_lines(path, report: DataReport, on_error: str = "skip") -> Iterator[tup
                                     "on_error='skip')") from None
                 report.skip(bad_record_reason(exc), detail)
                 continue
+            report.n_kept += 1
             yield lineno, record, messages
+    if report.n_skipped:
+        log.warning("%s; first problems: %s", report.summary(), "; ".join(report.examples))
 
 
 def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], DataReport]:
@@ -277,12 +281,9 @@ def load_chat_jsonl(path, on_error: str = "skip") -> tuple[list[list[dict]], Dat
     """
     report = DataReport(source=str(path))
     conversations = [messages for _, _, messages in chat_lines(path, report, on_error)]
-    report.n_kept = len(conversations)
     if report.n_read == 0:
         raise DataError(f"{path} is empty (no conversation on any line); pass a JSONL file with one "
                         '{"messages": [...]} conversation per line')
-    if report.n_skipped:
-        log.warning("%s; first problems: %s", report.summary(), "; ".join(report.examples))
     return conversations, report
 
 

@@ -91,9 +91,6 @@ def read_conversations(path, on_error: str = "skip") -> tuple[list[Item], DataRe
             key = key if hashes[key] == 1 else f"{key}~{hashes[key] - 1}"
         seen[key] = lineno
         items.append(Item(key, lineno, messages))
-        report.n_kept += 1
-    if report.n_skipped:
-        log.warning("%s; first problems: %s", report.summary(), "; ".join(report.examples))
     return items, report
 
 
