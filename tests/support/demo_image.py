@@ -9,16 +9,6 @@ import tempfile
 from pathlib import Path
 
 
-def ensure_base() -> None:
-    """dflash-base:bookworm, bootstrapped when the engine lacks it (as `make image` does: root, debootstrap and
-    the Debian mirror), so the test images have the same base whichever test builds one first."""
-    from images.base import DEFAULT_TAG, bootstrap
-    from images.engine import image_exists
-
-    if not image_exists(DEFAULT_TAG):  # checked here: bootstrap() would say "exists" for every test image
-        bootstrap()
-
-
 def demo_image_or_skip() -> str:
     """loopback.demo_image.demo_image() for a fixture, FROM dflash-base:bookworm (bootstrapped when missing;
     where it cannot be, demo_image() takes a busybox rootfs): skips the test with the reasons when no engine
@@ -26,10 +16,11 @@ def demo_image_or_skip() -> str:
     import pytest
 
     pytest.importorskip("docker")
+    from images.base import bootstrap
     from loopback.demo_image import demo_image
 
     try:
-        ensure_base()
+        bootstrap()  # dflash-base:bookworm, as `make image` makes it: root, debootstrap, the Debian mirror
         no_base = ""
     except Exception as e:  # not root, no mirror: a busybox rootfs may still do
         no_base = f" (bootstrapping dflash-base:bookworm failed: {e})"
@@ -65,9 +56,10 @@ def python_image() -> str:
     transformers: cp311 wheels, several GB a copy would cost) there, and the source tree at its own path
     (PYTHONPATH). Needs dflash-base:bookworm (bootstrapped when missing, as `make image` does) and the
     Debian mirror for python3."""
+    from images.base import bootstrap
     from images.engine import docker_cli
 
-    ensure_base()
+    bootstrap()
     repo = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory() as ctx:
         Path(ctx, "Dockerfile").write_text(PYTHON_DOCKERFILE.format(repo=repo))
