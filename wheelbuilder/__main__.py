@@ -28,16 +28,18 @@ from .errors import ConfigurationError, FatalError
 from common.fsutil import DIST_WHEELS, REPO_ROOT
 
 
-def _directory(option: str):
+def _directory(option: str, absolute: bool = True):
     """The type of a directory option: an absolute path, fixed once here. pip compiles with its working
     directory in the unpacked source, where a relative --out or --build-dir names another place (the wheel
-    lands in the source tree; pip reads the source path as a requirement)."""
-    def absolute(text: str) -> Path:
+    lands in the source tree; pip reads the source path as a requirement). absolute=False (`index`, which
+    runs no pip): the path as given, so messages name it as the user wrote it."""
+    def directory(text: str) -> Path:
         if not text.strip():
             raise ConfigurationError(f"{option} is empty (an unset shell variable?); give a directory, or drop "
                                      f"{option} for its default")
-        return Path(text).expanduser().absolute()
-    return absolute
+        path = Path(text).expanduser()
+        return path.absolute() if absolute else path
+    return directory
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,9 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     ix = sub.add_parser("index", help="write a PEP 503 simple index (one per target, and one of all) from the "
                         "verified wheels, for pip --index-url through any static file server",
                         formatter_class=DefaultsOnceHelpFormatter)
-    ix.add_argument("--wheels", type=_directory("--wheels"), default=DIST_WHEELS,
+    ix.add_argument("--wheels", type=_directory("--wheels", absolute=False), default=DIST_WHEELS,
                     help="folder of <target>/ folders, each with wheels and manifest.json")
-    ix.add_argument("--out", type=_directory("--out"), default=DIST_WHEELS.parent / "index",
+    ix.add_argument("--out", type=_directory("--out", absolute=False), default=DIST_WHEELS.parent / "index",
                     help="index folder (replaced as a whole)")
 
     d = sub.add_parser("diff", help="explain how two wheels or ELF files differ (exit 1 when they do, 6 when a "

@@ -50,9 +50,10 @@ def collect(wheels_root: Path) -> list[dict]:
     rows = []
     for folder in sorted(p for p in wheels_root.iterdir() if (p / MANIFEST).is_file()):
         problems = verify_wheels(folder)
-        if problems:
-            raise ConfigurationError(f"{folder}: its wheels do not match {MANIFEST} ({'; '.join(problems)}). "
-                                     f"Rebuild them (`make wheels TARGET={folder.name}`) or remove the folder.")
+        if problems:  # each a sentence of its own (with what to do about it): listed, not nested in another
+            found = " ".join(p if p.endswith(".") else f"{p}." for p in problems)
+            raise ConfigurationError(f"{folder} cannot go into the index: {found} For this folder that build is "
+                                     f"`make wheels TARGET={folder.name}`; or remove the folder to index the others.")
         for w in read_manifest(folder).wheels:
             name = parse_wheel_filename(w.filename)[0]
             rows.append({"target": w.target, "filename": w.filename, "path": folder / w.filename,

@@ -3,7 +3,8 @@ and the reading of {option: value} mappings that may group options in section ta
 
 Option names are unique across the sections of dflash.config.sections, so a flat mapping names every
 value without its section; `flatten` also accepts `{section: {option: value}}` and dashes for
-underscores, and fails on an unknown key or an option under the wrong section, naming the fix.
+underscores, and fails on an unknown key, an option under the wrong section or an option given twice,
+naming the fix.
 """
 
 from __future__ import annotations
@@ -43,10 +44,21 @@ def unknown_option(key: str, where: str, names=None) -> ConfigError:
 
 def flatten(data: dict, where: str, convert=None) -> dict:
     """{option: value} of a mapping whose keys are options, or sections holding options (keys may use
-    dashes: `block-size`). An unknown key, or an option under the wrong section, fails naming the fix.
-    `convert(option, key as written, value)` may check and convert each value."""
+    dashes: `block-size`). An unknown key, an option under the wrong section, or an option given twice (`lr`
+    and `[optim] lr`: no value wins silently) fails naming the fix. `convert(option, key as written, value)`
+    may check and convert each value."""
     convert = convert or (lambda _option, _key, value: value)
     flat: dict = {}
+    written: dict[str, tuple[str, object]] = {}  # option -> (its key as written, its value), for a second one
+
+    def put(option: str, key: str, value) -> None:
+        if option in written:  # `lr` and `[optim] lr`, or `block-size` and `block_size`: neither may win silently
+            first_key, first_value = written[option]
+            raise ConfigError(f"{where}: '{option}' is set twice, as '{first_key}' = {first_value!r} and as "
+                              f"'{key}' = {value!r}; keep one of them.")
+        written[option] = (key, value)
+        flat[option] = convert(option, key, value)
+
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name in SECTIONS and isinstance(value, dict):
@@ -58,9 +70,9 @@ def flatten(data: dict, where: str, convert=None) -> dict:
                 if OPTIONS[option][0] != name:
                     raise ConfigError(f"{where}: '{inner}' belongs to the [{OPTIONS[option][0]}] section, not "
                                       f"[{key}]; move it there or write it without a section.")
-                flat[option] = convert(option, f"{key}.{inner}", inner_value)
+                put(option, f"{key}.{inner}", inner_value)
         elif name in OPTIONS:
-            flat[name] = convert(name, key, value)
+            put(name, str(key), value)
         else:
             raise unknown_option(key, where)
     return flat

@@ -114,6 +114,7 @@ class ModelConfig(Section):
 
     def __post_init__(self) -> None:
         self._check_common()
+        self._check_kind_options()
         if self.block_size < 2:
             raise ConfigError(f"--block-size is {self.block_size}; a block needs the anchor plus at least one "
                               "position to predict, so use 2 or more (the recipe uses 16).")
@@ -137,6 +138,20 @@ class ModelConfig(Section):
             if given:
                 raise ConfigError(f"{', '.join(given)} cannot change the drafter of --init-drafter "
                                   f"{self.init_drafter}: its config.json fixes them. Drop {' and '.join(given)}.")
+
+    def _check_kind_options(self) -> None:
+        """Refuse an option of another drafter kind's objective (DrafterKind.options: DFlash2's
+        --selector-missing) set away from its default: the chosen kind would ignore it without a word."""
+        chosen = kinds.named(self.drafter_kind)
+        defaults = {f.name: f.default for f in fields(self)}
+        for kind in kinds.KINDS.values():
+            for name in kind.options:
+                value = getattr(self, name)
+                if name not in chosen.options and value != defaults[name]:
+                    raise ConfigError(f"--{flag(name)} {value} is an option of --drafter-kind {kind.name}, and "
+                                      f"--drafter-kind is {chosen.name}, whose training would ignore it. Pass "
+                                      f"--drafter-kind {kind.name} to train a {kind.title} drafter, or drop "
+                                      f"--{flag(name)}.")
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ import math
 from common.cli import DefaultsOnceHelpFormatter, add_version
 
 from dflash.errors import ConfigError
-from dflash.config.layout import LAYOUTS
+from dflash.config.layout import LAYOUTS, Layout
 from dflash.plan.memory import PRECISIONS, MicroBatch
 from dflash.plan.planner import best_fitting, card_from_args, fewest_stages, plan
-from dflash.plan.sizes import PRESETS, TARGET_PRECISIONS, drafter_shape, target_shape
-from dflash.plan.throughput import CARDS
+from dflash.plan.sizes import PRESETS, TARGET_PRECISIONS, context_length, drafter_shape, target_shape
+from dflash.plan.throughput import (CARDS, GPUS_PER_NODE, NETWORK_GBPS, STEP_LATENCY_S, communication_note,
+                                    ring_gbps)
 
 TABLE_GPUS = (1, 2, 8)
 
@@ -90,6 +91,12 @@ def _check(args) -> None:
     if args.anchors > args.seq_len // 2:
         raise ConfigError(f"--anchors {args.anchors} with --seq-len {args.seq_len}: anchors sit in the supervised "
                           f"tokens, at most about half of a sequence; use --anchors {args.seq_len // 2} or fewer")
+    if args.layout and not args.table and args.gpus < Layout.of(args.layout).min_world:
+        others = ", ".join(name for name in LAYOUTS if Layout.of(name).min_world <= args.gpus)
+        raise ConfigError(f"--layout {args.layout} with --gpus {args.gpus}: it splits the target's layers over stage "
+                          f"ranks and trains the drafter on other ranks, so it needs --gpus "
+                          f"{Layout.of(args.layout).min_world} or more; pass more --gpus, or another --layout "
+                          f"({others}; or leave --layout out to see every one)")
     if args.target_stages and not args.table and args.target_stages >= args.gpus:
         fix = (f"pass --target-stages {args.gpus - 1} or fewer (0 tries every split)" if args.gpus > 1
                else "leave --target-stages out (--layout pipeline needs --gpus 2 or more)")
@@ -101,6 +108,27 @@ def _check(args) -> None:
     if not args.table and not args.card and args.card_gb is None:
         raise ConfigError("name the card: --card h200 | rtx-pro-6000 | rtx-5090, or --card-gb N (its memory in GB); "
                           "or --table for every named card")
+
+
+def _check_context(args) -> None:
+    """Refuse a --seq-len longer than the target's context (max_position_embeddings), read from its config.json
+    or the preset before the target is built. A packed row (--pack-tokens) holds several sequences, each with
+    its own positions, so only --seq-len is checked."""
+    limit = context_length(args.target)
+    if limit is not None and not args.pack_tokens and args.seq_len > limit:
+        where = (f"the {args.target} preset" if args.target in PRESETS else f"{args.target}'s config.json")
+        raise ConfigError(f"--seq-len {args.seq_len}: the target reads at most {limit:,} positions "
+                          f"(max_position_embeddings of {where}), so no sequence of a run is that long; pass "
+                          f"--seq-len {limit} or less (the run's --max-length)")
+
+
+def _communication(card, gpus: int) -> dict | None:
+    """The links a multi-GPU prediction assumed (dflash.plan.throughput), for --json."""
+    if gpus <= 1:
+        return None
+    return {"gpus_per_node": GPUS_PER_NODE, "link_gbps": card.link_gbps, "network_gbps": NETWORK_GBPS,
+            "ring_gbps": ring_gbps(card, gpus), "step_latency_s": STEP_LATENCY_S, "measured": False,
+            "upper_bound": gpus > GPUS_PER_NODE, "note": communication_note(card, gpus)}
 
 
 def _rank_lines(o) -> list[str]:
@@ -156,6 +184,7 @@ def _table(target, drafter, mb, args) -> tuple[str, list[dict]]:
 def main(argv) -> int:
     args = plan_parser().parse_args(argv)
     _check(args)
+    _check_context(args)
     card = card_from_args(args.card, args.card_gb) if args.card or args.card_gb is not None else None
     if card and args.headroom_gb >= card.memory_gb:
         raise ConfigError(f"--headroom-gb {args.headroom_gb:g} leaves nothing of the {card.memory_gb:g} GB of "
@@ -178,6 +207,7 @@ def main(argv) -> int:
                           "target_precision": "fp8" if target.fp8 else "bf16",
                           "target_weight_bytes": target.weight_bytes(2), "drafter_params": drafter.params,
                           "micro_batch": vars(mb), "card": vars(card), "gpus": args.gpus,
+                          "communication": _communication(card, args.gpus),
                           "options": [o.to_dict() for o in options], "best": best.layout if best else None},
                          indent=2))
     else:
@@ -188,4 +218,6 @@ def main(argv) -> int:
             print(f"--layout pipeline: the fewest target stages that fit are {least} of {args.gpus} GPUs "
                   f"({'FP8' if target.fp8 else 'bf16'} target)" if least else
                   f"--layout pipeline: no split of {args.gpus} GPUs fits")
+        if args.gpus > 1:  # what the multi-GPU tokens/s assumed of the links, and how far to trust it
+            print(communication_note(card, args.gpus))
     return 0 if best else 1

@@ -74,11 +74,12 @@ def option(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: s
            precision: str = "bf16", headroom_gb: float = 0.0, target_stages: int = 0,
            micro_batches: int = 4) -> Option:
     """One layout at this world size on this card. Pipeline with target_stages 0 tries every split of the
-    ranks into stages and drafter ranks and keeps the fastest that fits (else the one with the smallest peak)."""
+    ranks into stages and drafter ranks (at most one stage per target layer) and keeps the fastest that fits
+    (else the one with the smallest peak)."""
     staged = Layout.of(layout).target_in_stages
     if staged and target_stages == 0 and world > 1:
         tries = [option(target, drafter, mb, layout, world, card, precision, headroom_gb, s, micro_batches)
-                 for s in range(1, world)]
+                 for s in range(1, min(world, target.layers + 1))]
         fitting = [o for o in tries if o.fits]
         return (max(fitting, key=lambda o: o.tokens_per_s) if fitting
                 else min((o for o in tries if o.ranks), key=lambda o: o.peak_gb, default=tries[0]))
@@ -99,7 +100,7 @@ def fewest_stages(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, ca
                   **kwargs) -> int | None:
     """The fewest target stage ranks with which --layout pipeline fits `world` cards (None: no split fits)."""
     pipeline = next((name for name in LAYOUTS if Layout.of(name).target_in_stages), None)
-    for stages in range(1, world):
+    for stages in range(1, min(world, target.layers + 1)):
         if pipeline and option(target, drafter, mb, pipeline, world, card, target_stages=stages, **kwargs).fits:
             return stages
     return None

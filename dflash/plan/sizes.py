@@ -243,6 +243,31 @@ DEMO = dict(hidden=64, layers=8, vocab=768, intermediate=192, heads=4, kv_heads=
 
 
 TARGET_PRECISIONS = ("auto", "bf16", "fp8")
+# The presets' contexts (max_position_embeddings): Qwen3.5-27B's config.json (262,144), the demo target's
+# (dflash.demo.tiny_target). The meta-device build of a preset takes transformers' default instead; this is
+# the model's own.
+PRESET_CONTEXT = {"27b": 262_144, "demo": 2048}
+
+
+def context_length(spec: str) -> int | None:
+    """The most positions --target `spec` reads (max_position_embeddings: its text_config's, else its own), from
+    a preset or from a model directory's config.json read as plain JSON (nothing built, no transformers), so
+    `dflash plan` can refuse a --seq-len at once. None when it does not say (or config.json cannot be read:
+    target_shape names that fault)."""
+    if spec in PRESETS:
+        return PRESET_CONTEXT[spec]
+    try:
+        data = json.loads((Path(spec).expanduser() / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    for values in (text, data):
+        limit = values.get("max_position_embeddings")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+            return limit
+    return None
 
 
 def target_shape(spec: str, layers: int | None = None, precision: str = "auto") -> TargetShape:

@@ -8,18 +8,27 @@ current step: docs/performance.md): target forward 0.826 s, drafter forward 0.25
     t = t_H200 x (FLOPs of this shape / FLOPs of the measured shape) x (H200 bf16 peak / card bf16 peak)
 
 (FLOPs from dflash.train.probes.mfu's formulas: the target's forward, the drafter's and the LM head's), and
-the AdamW step scales with the parameters it updates (per rank). On top, per layout (link bandwidths in
-CARDS; none of these overheads is measured yet, each is a transfer time at the link's rate):
-  replicate   W > 1: DDP's all-reduce of 4P bytes of gradients, 2 (W-1)/W x 4P / link, overlapped with
-              the backward: only what exceeds the backward counts
-  shard       the same bytes as all-gathers (forward and backward) and a reduce-scatter: 3 (W-1)/W x 4P / link,
-              overlapped with the drafter's forward + backward
-  offload     every step copies the weights up twice and the gradients down over the host link (3 x 4P /
-              host link) and runs AdamW on the CPU (P x 28 bytes read and written / host memory bandwidth)
-  pipeline    S stages each run 1/S of the target's forward; D drafter ranks run the drafter; each stage
-              sends [B,T,H] onward and its tapped states [B,T,k*H] to a drafter rank. A step of m micro-
-              batches (--micro-batches) takes (m + S - 1) x the slowest stage's time (GPipe's bubble),
-              and the drafter ranks take m / D micro-batches each; tokens/s = m x tokens / the slower side.
+the AdamW step scales with the parameters it updates (per rank). On top, per layout (none of these
+overheads is measured yet; each is the time of its transfers, `collective_s` for the collectives):
+  replicate   W > 1: DDP's all-reduce of 4P bytes of gradients in buckets of 25 MiB, overlapped with the
+              backward: only what exceeds the backward counts
+  shard       the same bytes as all-gathers (forward and backward) and a reduce-scatter, one of each per
+              FSDP unit (each drafter layer and the root), overlapped with the drafter's forward + backward
+  offload     shard's collectives, and every step copies the weights up twice and the gradients down over the
+              host link (3 x 4P / W / host link), overlapped likewise; AdamW runs on the CPU (P / W x 28 bytes
+              read and written / host memory bandwidth)
+  pipeline    S stages each run 1/S of the target's forward; D drafter ranks run the drafter (shard's
+              collectives among them); each stage sends [B,T,H] onward and its tapped states [B,T,k*H] to a
+              drafter rank. A step of m micro-batches (--micro-batches) takes (m + S - 1) x the slowest
+              stage's time (GPipe's bubble), and the drafter ranks take m / D micro-batches each; tokens/s =
+              m x tokens / the slower side.
+
+A collective over W ranks runs as a ring (NCCL's algorithm for large messages): an all-reduce of B bytes
+moves 2 (W-1)/W x B per rank at the slowest link of the ring, an all-gather or reduce-scatter (W-1)/W x B,
+and each of its 2 (W-1) or W-1 steps first waits a hop's latency (STEP_LATENCY_S). The link is the card's
+GPU-to-GPU link (CARDS: NVLink, or PCIe) while the W ranks fit one node (GPUS_PER_NODE cards); beyond it the
+ring crosses the network between nodes, NETWORK_GBPS per GPU. These rates are data-sheet figures, not
+measurements, so `dflash plan` says what it assumed whenever it predicts for more than one GPU.
 """
 
 from __future__ import annotations
@@ -54,6 +63,12 @@ CARDS = {
     "rtx-5090": Card("RTX 5090 32 GB", 34.2, 209.0, 50.0),
 }
 H200 = CARDS["h200"]
+
+# The collectives of a run of several GPUs (module docstring): assumptions, stated in every multi-GPU plan.
+GPUS_PER_NODE = 8          # cards that share one node's GPU links (an HGX board, a PCIe server of 8 cards)
+NETWORK_GBPS = 50.0        # between nodes, per GPU and one way: one 400 Gb/s InfiniBand or RoCE port per GPU
+STEP_LATENCY_S = 10e-6     # what each step of a ring collective waits before its bytes move (NCCL, one hop)
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's gradient bucket (bucket_cap_mb 25): one all-reduce per bucket
 
 
 def _target_flops(target: TargetShape, mb: MicroBatch) -> float:
@@ -94,6 +109,46 @@ def phase_times(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card
             "optimizer": H200_PHASES["optimizer"] * o_scale * speed}
 
 
+def ring_gbps(card: Card, world: int) -> float:
+    """GB/s of the slowest link of a ring over `world` ranks: the card's own link within one node, the
+    network between nodes beyond it (whichever is slower)."""
+    return card.link_gbps if world <= GPUS_PER_NODE else min(card.link_gbps, NETWORK_GBPS)
+
+
+def collective_s(kind: str, nbytes: float, world: int, card: Card, calls: int = 1) -> float:
+    """Seconds of ring collectives over `world` ranks moving `nbytes` in all (the full, unsharded size), in
+    `calls` collectives: kind "all-reduce" (2 (W-1) steps) or "all-gather" / "reduce-scatter" (W-1 steps)."""
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (world - 1) if kind == "all-reduce" else world - 1
+    return steps / world * nbytes / (ring_gbps(card, world) * 1e9) + calls * steps * STEP_LATENCY_S
+
+
+def _sharded_collectives_s(drafter: DrafterShape, world: int, card: Card) -> float:
+    """FSDP2 over `world` ranks: per unit (each drafter layer and the root) an all-gather of its fp32 weights in
+    the forward, another in the backward, and a reduce-scatter of its gradients."""
+    units, nbytes = drafter.layers + 1, 4 * drafter.params
+    return (2 * collective_s("all-gather", nbytes, world, card, calls=units)
+            + collective_s("reduce-scatter", nbytes, world, card, calls=units))
+
+
+def communication_note(card: Card, world: int) -> str | None:
+    """What a prediction for `world` GPUs assumed of their links (None for one GPU), for the plan's output."""
+    if world <= 1:
+        return None
+    if world <= GPUS_PER_NODE:
+        links = f"one node, over the {card.name}'s GPU-to-GPU link at {card.link_gbps:g} GB/s"
+    else:
+        links = (f"{math.ceil(world / GPUS_PER_NODE):,} nodes of {GPUS_PER_NODE} GPUs, whose slowest link is the "
+                 f"network between nodes at {ring_gbps(card, world):g} GB/s per GPU")
+    return (f"tokens/s for {world:,} GPUs counts the drafter's collectives (replicate: the gradient all-reduce; "
+            "shard, offload, pipeline: the all-gathers and reduce-scatters; 4 bytes per parameter) as rings over "
+            f"{links}, {STEP_LATENCY_S * 1e6:g} us per ring step, where they outlast the drafter's compute. "
+            "These rates are assumed, not measured"
+            + ("; beyond one node neither the network's topology nor congestion nor stragglers are modelled, "
+               "so read the figure as an upper bound." if world > GPUS_PER_NODE else "."))
+
+
 def tokens_per_second(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: str, world: int,
                       card: Card, target_stages: int = 0, micro_batches: int = 4) -> dict:
     """{"tokens_per_s": all ranks together, "step_s": seconds per micro-batch per rank, "phases": {...},
@@ -105,9 +160,9 @@ def tokens_per_second(target: TargetShape, drafter: DrafterShape, mb: MicroBatch
         S = pipeline_stages(world, target_stages)
         D = world - S
         t = phase_times(target, drafter, mb, card, shards=D)
-        send = tokens * target.hidden * 2 * (1 + drafter.tapped) / (card.link_gbps * 1e9)
+        send = tokens * target.hidden * 2 * (1 + drafter.tapped) / (ring_gbps(card, world) * 1e9)
         stage = t["target forward"] / S + send
-        gather = 3 * (D - 1) / D * 4 * P / (card.link_gbps * 1e9) if D > 1 else 0.0
+        gather = _sharded_collectives_s(drafter, D, card)
         drafter_side = t["drafter forward"] + t["drafter backward"] + max(0.0, gather - t["drafter backward"])
         m = micro_batches
         step = max((m + S - 1) * stage, math.ceil(m / D) * drafter_side) + t["optimizer"]
@@ -116,16 +171,17 @@ def tokens_per_second(target: TargetShape, drafter: DrafterShape, mb: MicroBatch
     shards = world if spec.shards_drafter else 1
     t = phase_times(target, drafter, mb, card, shards=shards)
     compute = sum(t.values())
-    link = card.link_gbps * 1e9
     if not spec.shards_drafter:
-        comm = 2 * (world - 1) / world * 4 * P / link if world > 1 else 0.0
+        comm = collective_s("all-reduce", 4 * P, world, card, calls=math.ceil(4 * P / DDP_BUCKET_BYTES))
         overhead = max(0.0, comm - t["drafter backward"])
     elif not spec.state_on_host:
-        comm = 3 * (world - 1) / world * 4 * P / link if world > 1 else 0.0
+        comm = _sharded_collectives_s(drafter, world, card)
         overhead = max(0.0, comm - t["drafter forward"] - t["drafter backward"])
-    else:  # offload: the host link and the CPU's AdamW, per rank's shard
+    else:  # offload: shard's collectives, the host link and the CPU's AdamW, per rank's shard
+        comm = _sharded_collectives_s(drafter, world, card)
         copies = 3 * 4 * P / world / (card.host_gbps * 1e9)
         cpu_adam = 28 * P / world / (card.host_mem_gbps * 1e9)
-        overhead = max(0.0, copies - t["drafter forward"] - t["drafter backward"]) + cpu_adam - t["optimizer"]
+        overhead = (max(0.0, comm + copies - t["drafter forward"] - t["drafter backward"]) + cpu_adam
+                    - t["optimizer"])
     step = compute + overhead
     return {"tokens_per_s": world * tokens / step, "step_s": step, "phases": t, "overhead_s": overhead}

@@ -1,7 +1,9 @@
 """--config FILE (YAML, JSON, TOML) and flags combine in the documented order: field defaults < demo
 defaults < the stored config of --resume < the file < flags; keys are flat or grouped by section; unknown
-keys name the closest option; a run's config.json (nested, or flat as older runs wrote it) repeats and
-resumes the run; --help shows each default once; every console script answers --version."""
+keys name the closest option; an option the file gives twice (flat and in its section) is refused, naming
+both values; an option of another drafter kind is refused; a run's config.json (nested, or flat as older
+runs wrote it) repeats and resumes the run; --help shows each default once; every console script answers
+--version."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import sys
 
 import pytest
 
-from dflash.cli import train_config, train_parser
+from dflash.cli import train_config, train_main, train_parser
 from dflash.config import DEMO_DEFAULTS, ModelConfig, OptimConfig, TrainConfig
 from dflash.errors import ConfigError
+from tests.support.bad_input import assert_clear_failure
 
 RUN = {"target": "/models/t", "data": "d.jsonl"}
 
@@ -117,6 +120,42 @@ def test_bad_files_fail_with_the_reason(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("?", r"\?")):
         _resolve("--config", str(path))
+
+
+@pytest.mark.parametrize("suffix,text,words", [
+    (".toml", 'target = "/models/t"\ndata = "d.jsonl"\nlr = 1e-3\n[optim]\nlr = 3e-4\n',
+     ("'lr' is set twice, as 'lr' = 0.001 and as 'optim.lr' = 0.0003; keep one of them.",)),
+    (".yaml", "target: /models/t\ndata: d.jsonl\noptim:\n  max-steps: 5\nmax_steps: 7\n",
+     ("'max_steps' is set twice, as 'optim.max-steps' = 5 and as 'max_steps' = 7",)),
+    (".json", json.dumps({**RUN, "block-size": 8, "block_size": 16}),
+     ("'block_size' is set twice, as 'block-size' = 8 and as 'block_size' = 16",)),
+])
+def test_an_option_given_twice_in_the_file_is_refused_naming_both(tmp_path, capsys, suffix, text, words):
+    """Flat and in its section, or with dashes and underscores: no value wins silently; exit 2 before anything
+    is read but the file (/models/t does not exist)."""
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text)
+    code = train_main(["--config", str(path), "--out", str(tmp_path / "out")])
+    assert_clear_failure(code, 2, capsys.readouterr().err, (f"--config {path}", *words))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_option_of_another_drafter_kind_is_refused(tmp_path, capsys):
+    """--selector-missing is DFlash2's: with a DFlash drafter (the default kind) it would change nothing."""
+    code = train_main(["--target", "/models/t", "--data", "d.jsonl", "--out", str(tmp_path / "out"),
+                       "--selector-missing", "inject"])
+    assert_clear_failure(code, 2, capsys.readouterr().err, (
+        "--selector-missing inject is an option of --drafter-kind dflash2, and --drafter-kind is dflash, whose "
+        "training would ignore it", "Pass --drafter-kind dflash2", "or drop --selector-missing"))
+    assert not (tmp_path / "out").exists()
+    path = tmp_path / "run.yaml"
+    path.write_text("target: /models/t\ndata: d.jsonl\nmodel: {selector-missing: inject}\n")
+    with pytest.raises(ConfigError, match="--selector-missing inject is an option of --drafter-kind dflash2"):
+        _resolve("--config", str(path))
+    # DFlash2 takes it; its default goes with every kind
+    assert _resolve("--config", str(path), "--drafter-kind", "dflash2").model.selector_missing == "inject"
+    assert _resolve("--target", "/models/t", "--data", "d.jsonl", "--selector-missing", "drop").model.drafter_kind \
+        == "dflash"
 
 
 def test_unknown_format_and_missing_file(tmp_path):

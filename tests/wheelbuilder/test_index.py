@@ -3,7 +3,8 @@
 
 The wheels here are small real wheels of the same project and version as the built ones, one per torch
 line, each carrying a module that says which line it is: the index decides which one pip installs, and
-that is what these tests check in seconds. The real causal-conv1d wheel of a new torch line, installed
+that is what these tests check in seconds; a folder whose wheels do not verify is refused by name, as the
+user wrote its path. The real causal-conv1d wheel of a new torch line, installed
 from the index beside its torch and imported, is tests/wheelbuilder/test_torch_line_docker.py.
 """
 
@@ -161,8 +162,29 @@ def test_pip_installs_the_target_s_wheel_from_the_served_index_into_a_fresh_venv
 def test_a_wheel_folder_that_does_not_match_its_manifest_is_refused_by_name(tmp_path):
     wheels = dist_wheels(tmp_path / "wheels")
     (wheels / "cu130-sm120" / next(p.name for p in (wheels / "cu130-sm120").glob("*.whl"))).write_bytes(b"x")
-    with pytest.raises(ConfigurationError, match=r"cu130-sm120: its wheels do not match manifest.json .*make wheels TARGET=cu130-sm120"):
+    with pytest.raises(ConfigurationError, match=r"cu130-sm120 cannot go into the index: .*changed after the build; "
+                       r"rebuild it \(make wheels\)\. For this folder that build is `make wheels TARGET=cu130-sm120`"):
         write_index(wheels, tmp_path / "index")
     assert not (tmp_path / "index").exists()
     with pytest.raises(ConfigurationError, match="does not exist: no wheels to index"):
         write_index(tmp_path / "nothing", tmp_path / "index")
+
+
+def test_a_damaged_manifest_is_named_as_given_with_its_advice_once(tmp_path, monkeypatch, capsys):
+    """`wheelbuilder index --wheels dist/wheels` (relative) on a manifest.json that is not JSON: exit 2, the
+    folder named as the user wrote it, each problem a sentence of its own (no advice nested in another's
+    parentheses), and no index written."""
+    from wheelbuilder.__main__ import main
+
+    wheels = dist_wheels(tmp_path / "dist" / "wheels")
+    (wheels / "cu130-sm120" / "manifest.json").write_text("{not json")
+    monkeypatch.chdir(tmp_path)
+    code = main(["index", "--wheels", "dist/wheels", "--out", "dist/index"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("wheelbuilder: error: dist/wheels/cu130-sm120 cannot go into the index: "
+                          "dist/wheels/cu130-sm120/manifest.json is not valid JSON (")
+    assert err.rstrip().endswith("delete it and rebuild the wheels (make wheels). For this folder that build is "
+                                 "`make wheels TARGET=cu130-sm120`; or remove the folder to index the others.")
+    assert ".)." not in err and str(tmp_path) not in err and "Traceback" not in err
+    assert not (tmp_path / "dist" / "index").exists()

@@ -15,7 +15,8 @@ with its last record. Plots use matplotlib's Agg backend: no display needed.
 metrics.jsonl is read leniently, since the run may still be writing it: a last line cut short is left
 out silently. Anything else the report cannot use (a line that is not a JSON object, a step that is not a
 whole number, a value of the wrong type such as "loss": "abc") is left out of the report and named,
-line by line, in a warning and in report.md; the rest of the file still counts.
+line by line, in a warning and in report.md; the rest of the file still counts. A file with no usable
+record at all (empty, or every line left out) is refused (ConfigError, exit 2): there is nothing to report.
 """
 
 from __future__ import annotations
@@ -220,8 +221,9 @@ def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config
     last, ev = (train[-1] if train else {}), (evals[-1] if evals else {})
     rates = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     rates.sort()
-    lines = [f"# Run report: {Path(run_dir).name}", "",
-             f"- target: `{config.get('target') or 'built-in demo'}`, data: `{config.get('data') or 'demo'}`",
+    inputs = (f"- target: `{config.get('target') or 'built-in demo'}`, data: `{config.get('data') or 'demo'}`"
+              if config else "- target and data: unknown (no readable config.json beside metrics.jsonl)")
+    lines = [f"# Run report: {Path(run_dir).name}", "", inputs,
              f"- block size {config.get('block_size', '-')}, drafter layers {config.get('drafter_layers', '-')}, "
              f"lr {config.get('lr', '-')}",
              f"- steps recorded: {len(train)} (last: {last.get('step', '-')}), evaluations: {len(evals)}", "",
@@ -239,8 +241,7 @@ def summary_markdown(run_dir: Path, train: list[dict], evals: list[dict], config
               "greedy verification replayed on their data, the same decoding when the data is the target's "
               "own greedy answers (dflash.train.evaluation)"]
     if problems:
-        more = "; ..." if len(problems) > MAX_PROBLEMS_SHOWN else ""
-        lines.append(f"- left out of this report ({len(problems)}): " + "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + more)
+        lines.append(f"- left out of this report ({len(problems)}): {_shown(problems)}")
     lines.append("")
     lines += [f"![{name}]({name}.png)" for name in PLOTS]
     return "\n".join(lines) + "\n"
@@ -258,19 +259,37 @@ def read_config(run: RunDir, problems: list[str]) -> dict:
         return {}
 
 
+def _shown(problems: list[str]) -> str:
+    return "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + ("; ..." if len(problems) > MAX_PROBLEMS_SHOWN else "")
+
+
+def nothing_recorded(run: RunDir, problems: list[str]) -> ConfigError:
+    """The refusal of a report of a metrics.jsonl without one usable record: no plot, no summary of nothing."""
+    if problems:
+        return ConfigError(f"{run.metrics} holds no usable record ({len(problems)} left out: {_shown(problems)}), "
+                           "so there is nothing to report. Fix or delete those lines, or pass the --out dir of a "
+                           "run that has logged a step.")
+    what = "holds no training or evaluation record yet" if run.metrics.read_bytes().strip() else "is empty"
+    return ConfigError(f"{run.metrics} {what}: the run in {run.root} has not logged a step, so there is nothing "
+                       "to report. A run writes a line every --log-every optimizer steps; run `dflash report "
+                       f"{run.root}` again once it has logged one.")
+
+
 def write_report(run_dir, warn: Callable[[str], None] | None = None) -> Path:
     """Plots and report.md into <run_dir>/report; returns the report.md path. Whatever had to be left out
-    goes to `warn` (default: the log), one message."""
+    goes to `warn` (default: the log), one message. A metrics.jsonl without one usable record (empty, or
+    every line left out) is refused (ConfigError): there is nothing to report."""
     from common.fsutil import atomic_write
 
     run = RunDir(run_dir)
     problems: list[str] = []
     train, evals = read_records(run.root, problems)
+    if not train and not evals:
+        raise nothing_recorded(run, problems)
     config = read_config(run, problems)
     if problems:
-        shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN]) + ("; ..." if len(problems) > MAX_PROBLEMS_SHOWN else "")
-        (warn or log.warning)(f"left out of the report of {run.root} ({len(problems)}): {shown}. Fix or delete "
-                              "those lines to have them in it.")
+        (warn or log.warning)(f"left out of the report of {run.root} ({len(problems)}): {_shown(problems)}. Fix "
+                              "or delete those lines to have them in it.")
     out = run.report
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
 """`dflash plan`: its text and JSON, and one clear message for each bad input (tests/support/bad_input.py:
-the exit code, the key words, no traceback), each bad flag or config.json count refused before any work."""
+the exit code, the key words, no traceback), each bad flag or config.json count refused before any work
+(a --seq-len beyond the target's context and --layout pipeline on one GPU too); a plan of several GPUs says
+what it assumed of their links."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ def test_plan_json_for_tools(capsys):
     assert data["best"] == "shard" and data["gpus"] == 8 and data["drafter_params"] == 1_835_072_000
     shard = next(o for o in data["options"] if o["layout"] == "shard")
     assert shard["fits"] and shard["ranks"][0]["terms_gb"]["optimizer_state"] == pytest.approx(14.68 / 8, abs=0.01)
+    # one node: the card's own link, assumed (not measured), not an upper bound of the network's
+    assert {k: data["communication"][k] for k in ("ring_gbps", "measured", "upper_bound")} == \
+        {"ring_gbps": 50.0, "measured": False, "upper_bound": False}
 
 
 def test_plan_reads_a_model_directory(tmp_path, capsys):
@@ -80,6 +85,13 @@ BAD_FLAGS = [
     pytest.param(["--card", "h200", "--headroom-gb", "nan"], ("--headroom-gb nan", "0 or more GB"), id="headroom-nan"),
     pytest.param(["--card", "rtx-5090", "--headroom-gb", "40"], ("--headroom-gb 40", "34.2 GB", "less than 34.2"),
                  id="headroom-over-the-card"),
+    pytest.param(["--card", "h200", "--gpus", "1", "--layout", "pipeline"],
+                 ("--layout pipeline with --gpus 1", "needs --gpus 2 or more",
+                  "another --layout (replicate, shard, offload"), id="pipeline-on-one-gpu"),
+    pytest.param(["--card", "h200", "--seq-len", "999999999"],
+                 ("--seq-len 999999999: the target reads at most 262,144 positions",
+                  "max_position_embeddings of the 27b preset", "pass --seq-len 262144 or less"),
+                 id="seq-len-beyond-the-context"),
 ]
 
 
@@ -133,6 +145,38 @@ def test_a_nonsense_size_in_config_json_is_refused_by_name(change, words, tmp_pa
     assert_clear_failure(code, 5, capsys.readouterr().err,
                          (str(target / "config.json"), *words, "at least 1", "Restore the config.json"))
     assert not built, "the model was built from the nonsense config"
+
+
+def test_a_seq_len_beyond_the_context_of_config_json_is_refused_before_the_model_is_built(tmp_path, monkeypatch,
+                                                                                          capsys):
+    built = []
+    monkeypatch.setattr(shapes, "_build_on_meta", lambda config: built.append(config))
+    target = write_config(tmp_path / "target", {**TINY_CONFIG, "max_position_embeddings": 512})
+    code = main(["plan", "--target", str(target), "--card", "h200", "--seq-len", "1024", "--anchors", "16"])
+    assert_clear_failure(code, 2, capsys.readouterr().err, (
+        "--seq-len 1024: the target reads at most 512 positions", f"max_position_embeddings of {target}'s config.json",
+        "pass --seq-len 512 or less"))
+    assert not built, "the model was built before --seq-len was checked"
+    # a packed row holds several sequences, each with its own positions: --pack-tokens is not bound by it
+    assert shapes.context_length(str(target)) == 512 and shapes.context_length(str(tmp_path / "none")) is None
+
+
+def test_a_plan_for_several_nodes_counts_the_network_and_says_what_it_assumed(capsys):
+    """100,000 GPUs: each step's collectives cross the network between nodes (50 GB/s per GPU, 10 us per ring
+    step), so tokens/s grows far slower than the GPUs, and the output says the rates are assumed and the figure
+    an upper bound."""
+    assert main(["plan", "--target", "27b", "--card", "h200", "--gpus", "1", "--layout", "shard"]) == 0
+    one = float(capsys.readouterr().out.split("predicted ")[1].split(" tokens/s")[0].replace(",", ""))
+    assert main(["plan", "--target", "27b", "--card", "h200", "--gpus", "100000", "--layout", "shard"]) == 0
+    out = capsys.readouterr().out
+    many = float(out.split("predicted ")[1].split(" tokens/s")[0].replace(",", ""))
+    assert many < 0.1 * 100_000 * one
+    assert ("as rings over 12,500 nodes of 8 GPUs, whose slowest link is the network between nodes at 50 GB/s per "
+            "GPU, 10 us per ring step") in out
+    assert "These rates are assumed, not measured" in out and "read the figure as an upper bound" in out
+    assert main(["plan", "--target", "27b", "--card", "h200", "--gpus", "100000", "--layout", "shard", "--json"]) == 0
+    links = json.loads(capsys.readouterr().out)["communication"]
+    assert (links["ring_gbps"], links["measured"], links["upper_bound"]) == (50.0, False, True)
 
 
 def test_a_directory_without_config_json(tmp_path, capsys):

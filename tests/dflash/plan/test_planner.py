@@ -9,7 +9,7 @@ from dflash.errors import ConfigError
 from dflash.plan.memory import MicroBatch
 from dflash.plan.planner import best_fitting, card_from_args, plan
 from dflash.plan.sizes import drafter_shape, preset_shape
-from dflash.plan.throughput import CARDS, tokens_per_second
+from dflash.plan.throughput import CARDS, STEP_LATENCY_S, collective_s, tokens_per_second
 
 STANDARD = MicroBatch(2, 4096, 512)
 
@@ -69,6 +69,15 @@ def test_throughput_reproduces_the_measured_h200_step(shapes):
     assert slower["tokens_per_s"] == pytest.approx(speed["tokens_per_s"] * 504 / 989, rel=1e-3)
     offload = tokens_per_second(target, drafter, STANDARD, "offload", 1, CARDS["rtx-pro-6000"])
     assert offload["tokens_per_s"] < slower["tokens_per_s"]  # the CPU's AdamW step is not free
+
+
+def test_a_ring_collective_costs_its_bytes_at_the_slowest_link_and_a_latency_per_step():
+    """Within a node the card's link (H200 NVLink 450 GB/s); beyond 8 GPUs the network between nodes (50 GB/s)."""
+    h200 = CARDS["h200"]
+    assert collective_s("all-reduce", 8e9, 1, h200) == 0.0
+    assert collective_s("all-reduce", 8e9, 8, h200) == pytest.approx(14 / 8 * 8e9 / 450e9 + 14 * STEP_LATENCY_S)
+    assert collective_s("all-gather", 8e9, 16, h200, calls=3) == pytest.approx(15 / 16 * 8e9 / 50e9
+                                                                               + 3 * 15 * STEP_LATENCY_S)
 
 
 def test_card_arguments():

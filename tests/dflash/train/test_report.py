@@ -1,5 +1,6 @@
 """`dflash report`: the plots of a short CPU run on the tiny target are valid PNG images (signature,
-read back by matplotlib and by PIL), report.md names them, and the command line writes them on demand."""
+read back by matplotlib and by PIL), report.md names them, and the command line writes them on demand; a run
+directory whose metrics.jsonl records nothing usable is refused (exit 2), not reported as zero steps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from dflash.cli import main, train_main
 from dflash.train.records.run_report import PLOTS, read_records, write_report
 from dflash.train.records.rundir import RunDir
+from tests.support.bad_input import assert_clear_failure
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -65,8 +67,27 @@ def test_records_take_the_last_of_a_repeated_step(tmp_path):
     assert [(r["step"], r["loss"]) for r in evals] == [(2, 2.5)]
     write_report(tmp_path)  # no config.json, no tokens/s: still a report
     _check_png(RunDir(tmp_path).report / "loss.png")
+    text = (RunDir(tmp_path).report / "report.md").read_text()
+    assert "target and data: unknown (no readable config.json" in text and "built-in demo" not in text
 
 
 def test_report_of_a_dir_without_metrics_says_so(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("metrics, words", [
+    pytest.param("", ("metrics.jsonl is empty: the run in", "has not logged a step, so there is nothing to report",
+                      "again once it has logged one"), id="empty"),
+    pytest.param("\n\n", ("metrics.jsonl is empty",), id="blank-lines"),
+    pytest.param('{"step": 1, "lo', ("holds no training or evaluation record yet",), id="first-line-being-written"),
+    pytest.param('[1, 2]\n{"step": "one", "loss": 2.0}\n',
+                 ("holds no usable record (2 left out: metrics.jsonl line 1: a JSON list, not a record",
+                  'line 2: step is "one"', "Fix or delete those lines"), id="every-line-left-out"),
+])
+def test_report_of_a_run_that_recorded_nothing_is_refused(tmp_path, capsys, metrics, words):
+    """Nothing recorded is an error (exit 2), not a report of zero steps of a "built-in demo"."""
+    RunDir(tmp_path).metrics.write_text(metrics)
+    code = main(["report", str(tmp_path)])
+    assert_clear_failure(code, 2, capsys.readouterr().err, (str(RunDir(tmp_path).metrics), *words))
+    assert not RunDir(tmp_path).report.exists()
