@@ -168,7 +168,7 @@ def any_rank(d: Dist, flag: bool) -> bool:
 def shard(items: list, d: Dist) -> list:
     """This rank's share of one global micro-batch: items rank, rank+W, rank+2W, ...
 
-    A rank can get nothing when the batch holds fewer sequences than there are ranks; the caller then
-    runs a zero-weight stand-in so that DDP still sees every rank take part in the backward pass.
+    A rank can get nothing when the batch holds fewer sequences than there are ranks; it then runs a
+    zero-weight stand-in (dflash.train.shares), so that its collectives stay in step with the other ranks'.
     """
     return items[d.rank::d.world_size]

@@ -4,6 +4,11 @@ The split: --eval-data FILE (tokenised like --data), or --eval-fraction of the t
 (`split_items`: a seeded draw, the same on every rank and every rerun; resume checks the training part's
 fingerprint as before).
 
+Every rank takes part in every micro-batch of the split, a zero-weight stand-in where it holds nothing (the
+rule training follows: dflash.train.shares), so the ranks' collectives stay in step under every layout. A
+stop (SIGTERM, Ctrl-C, on any rank) ends an evaluation before its next micro-batch on every rank, without a
+record; the training loop then writes its checkpoint and stops, as after a step.
+
 What an evaluation reports (dflash.step.summarize over the whole split, summed over ranks):
     loss, acc, acc_per_pos     weighted CE and top-1 accuracy per block position k = 1..bs-1
     accept_per_pos             a_k = P(position k correct | positions 1..k-1 correct): of the blocks whose
@@ -44,7 +49,9 @@ from dflash.train.blocks import sample_anchors
 from dflash.config import TrainConfig
 from dflash.data.batches import collate, make_batches
 from dflash.data.packs import make_packs
-from dflash.train.pack_batches import pack_micro_batch, rank_pack
+from dflash.train.pack_batches import pack_micro_batch
+from dflash.train.shares import packed_share, padded_share
+from dflash.train.signals import StopFlag
 from dflash.errors import ConfigError
 from dflash.train.step import micro_batch_sums, summarize
 
@@ -86,55 +93,55 @@ def prompt_of(item: dict) -> list[int]:
     return item["input_ids"][:end].tolist()
 
 
-def _packed_sums(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist, pad_id: int,
-                 autocast_dtype: torch.dtype) -> torch.Tensor | None:
-    """The split's sums in packs of the training shape, a pack per rank per round (a rank past the last pack
-    runs a zero-weight stand-in, so every rank runs the drafter as often: a sharded one gathers each time)."""
-    optim, totals = config.optim, None
-    packs = make_packs([len(it["input_ids"]) for it in items], optim.pack_tokens, optim.seed, epoch=0)
-    for start in range(0, len(packs), d.world_size):
-        mine, chosen, _stand_in = rank_pack(packs[start:start + d.world_size], items, d.rank)
-        batch, anchors, _counted = pack_micro_batch(config, EVAL_EPOCH, mine, chosen, pad_id, d.device)
-        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=config.model.block_size,
-                                gamma=config.model.gamma, autocast_dtype=autocast_dtype,
-                                n_anchors=optim.pack_anchors).pack()
-        totals = sums if totals is None else totals + sums
-    return totals
-
-
-def _padded_sums(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist, pad_id: int,
-                 autocast_dtype: torch.dtype) -> torch.Tensor | None:
-    """The split's sums in the training run's length-bucketed batches, each rank its share of each batch."""
-    optim, totals = config.optim, None
+def _rounds(config: TrainConfig, items: list[dict], d: distributed.Dist, pad_id: int, packed: bool):
+    """The split's global micro-batches, one a round, each as (this rank's Share, its batch on the device, its
+    anchors): the training run's length-bucketed batches, or its packs a world size at a time. Every rank
+    gets every round (dflash.train.shares: a zero-weight stand-in where it holds nothing), so a sharded
+    drafter gathers as often on each."""
+    optim, model = config.optim, config.model
     lengths = [len(it["input_ids"]) for it in items]
+    if packed:
+        packs = make_packs(lengths, optim.pack_tokens, optim.seed, epoch=0)
+        for start in range(0, len(packs), d.world_size):
+            share = packed_share(packs[start:start + d.world_size], items, d)
+            batch, anchors, _counted = pack_micro_batch(config, EVAL_EPOCH, share.indices, share.items, pad_id,
+                                                        d.device)
+            yield share, batch, anchors
+        return
     for batch_ids in make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
-        mine = distributed.shard(batch_ids, d)
-        if not mine:
-            continue
-        anchors = [sample_anchors(items[i]["loss_mask"], config.model.max_anchors,
-                                  torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i)) for i in mine]
-        batch = {k: v.to(d.device) for k, v in collate([items[i] for i in mine], pad_id).items()}
-        sums = micro_batch_sums(drafter, target, batch, anchors, block_size=config.model.block_size,
-                                gamma=config.model.gamma, autocast_dtype=autocast_dtype).pack()
-        totals = sums if totals is None else totals + sums
-    return totals
+        share = padded_share(batch_ids, items, d)
+        anchors = [sample_anchors(item["loss_mask"], model.max_anchors,
+                                  torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i))
+                   for i, item in zip(share.indices, share.items)]
+        batch = {k: v.to(d.device) for k, v in collate(share.items, pad_id).items()}
+        yield share, batch, anchors
 
 
 @torch.no_grad()
 def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist,
-                   pad_id: int, autocast_dtype: torch.dtype, packed: bool = False) -> dict:
-    """Loss, accuracy and per-position acceptance of the bare `drafter` on `items` (every rank
-    takes its share of each batch, or its pack when `packed`; the sums are added over ranks)."""
-    was_training = drafter.training
+                   pad_id: int, autocast_dtype: torch.dtype, packed: bool = False,
+                   stop: StopFlag | None = None) -> dict | None:
+    """Loss, accuracy and per-position acceptance of the bare `drafter` on `items` (every rank takes its
+    share of each batch, or its pack when `packed`; the sums are added over ranks). Before each micro-batch
+    the ranks learn whether any has `stop` set (a signal: one all-reduce); then all of them end the
+    evaluation there and it returns None, as the training loop ends a run after its step."""
+    was_training, model = drafter.training, config.model
     drafter.eval()
-    sums_of = _packed_sums if packed else _padded_sums
-    totals = sums_of(config, drafter, target, items, d, pad_id, autocast_dtype)
-    bs = config.model.block_size
-    if totals is None:  # this rank had no share: zeros keep the all-reduce in step
-        totals = torch.zeros(4 + 4 * (bs - 1), device=d.device)
-    metrics = summarize(distributed.all_reduce_sum(d, totals), bs)
+    totals = torch.zeros(4 + 4 * (model.block_size - 1), device=d.device)
+    try:
+        for n, (share, batch, anchors) in enumerate(_rounds(config, items, d, pad_id, packed)):
+            if distributed.any_rank(d, bool(stop)):
+                log.warning("evaluation stopped by %s after %d of its micro-batches; no record of it",
+                            (stop and stop.reason) or "another rank", n)
+                return None
+            sums = micro_batch_sums(drafter, target, batch, anchors, block_size=model.block_size,
+                                    gamma=model.gamma, autocast_dtype=autocast_dtype,
+                                    n_anchors=config.optim.pack_anchors if packed else None).pack()
+            totals += share.counted(sums)
+    finally:
+        drafter.train(was_training)
+    metrics = summarize(distributed.all_reduce_sum(d, totals), model.block_size)
     metrics["sequences"] = len(items)
-    drafter.train(was_training)
     return metrics
 
 
@@ -182,7 +189,8 @@ def measured_tau(config: TrainConfig, drafter, target, items: list[dict], pad_id
 @dataclass
 class SplitEvaluator:
     """One evaluation of the drafter being trained on the evaluation split: loss and acceptance (every
-    rank takes part) and, with --eval-tau-prompts, tau by decoding (rank 0). The monitor calls it."""
+    rank takes part, micro-batch for micro-batch) and, with --eval-tau-prompts, tau by decoding (rank 0).
+    The monitor calls it."""
 
     config: TrainConfig
     drafter: torch.nn.Module  # the bare drafter (not the DDP wrapper)
@@ -192,10 +200,12 @@ class SplitEvaluator:
     pad_id: int
     autocast_dtype: torch.dtype
     packed: bool = False  # the split in packs of the training shape (dflash.data.packs)
+    stop: StopFlag | None = None  # the run's: set (a signal) on any rank, the evaluation ends on every rank
 
-    def __call__(self) -> dict:
+    def __call__(self) -> dict | None:
+        """The evaluation's metrics, or None when a stop ended it (evaluate_split)."""
         args = (self.config, self.drafter, self.target, self.items)
-        m = evaluate_split(*args, self.d, self.pad_id, self.autocast_dtype, self.packed)
-        if self.config.watch.eval_tau_prompts and self.d.is_main:
+        m = evaluate_split(*args, self.d, self.pad_id, self.autocast_dtype, self.packed, self.stop)
+        if m is not None and self.config.watch.eval_tau_prompts and self.d.is_main:
             m.update(measured_tau(*args, self.pad_id, self.autocast_dtype))
         return m

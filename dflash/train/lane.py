@@ -28,6 +28,7 @@ from dflash.train.records.monitor import MonitorPlan, RunMonitor
 from dflash.train.records.rundir import RunDir
 from dflash.train.schedule import lr_lambda
 from dflash.train.setup import attention_impl, compile_layers, drafter_config, pad_id, packing, precision
+from dflash.train.shares import Share
 from dflash.train.signals import StopFlag
 from dflash.train.step import StepSums, backward, micro_batch_sums, oom_message, summarize
 
@@ -49,7 +50,8 @@ class Lane:
     run directory; dflash.train.loop.TrainingLoop drives one lane or several."""
 
     def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
-                 eval_items: list[dict] | None = None):
+                 eval_items: list[dict] | None = None, stop: StopFlag | None = None):
+        """`stop`: the run's StopFlag, which an evaluation on `eval_items` heeds between its micro-batches."""
         from dflash.io.drafter_dir import load_drafter
         from dflash.kinds import kind_of
 
@@ -83,7 +85,7 @@ class Lane:
         self.step = 0
         # metrics.jsonl, log, trackers, evaluation: told what it needs once, then handed each step's record
         evaluate = SplitEvaluator(config, self.drafter, target, eval_items, d, self.pad_id,
-                                  self.autocast_dtype, self.packed) if eval_items else None
+                                  self.autocast_dtype, self.packed, stop) if eval_items else None
         plan = MonitorPlan(total_steps=self.total_steps, log_every=config.runtime.log_every,
                            eval_every=config.watch.eval_every, report_to=config.watch.report_to or [],
                            options=config.to_flat())
@@ -140,24 +142,15 @@ class Lane:
         return path
 
     # --- one micro-batch ---------------------------------------------------------------------------
-    def _shard(self, indices: list[int]) -> tuple[list[int], list[dict]]:
-        """This rank's share of a global micro-batch: (sample indices, items)."""
-        mine = distributed.shard(indices, self.d)
-        stand_in = not mine
-        if stand_in:  # fewer sequences than ranks: a zero-weight copy keeps this rank in the backward
-            mine = indices[:1]
-        items = [self.items[i] for i in mine]
-        if stand_in:
-            items = [{**items[0], "loss_mask": torch.zeros_like(items[0]["loss_mask"])}]
-        return mine, items
-
-    def _anchors(self, epoch: int, mine: list[int], items: list[dict]) -> list[torch.Tensor]:
-        """Each sequence's anchors (its own generator: the same whatever else the run trains), counted."""
+    def _anchors(self, epoch: int, share: Share) -> list[torch.Tensor]:
+        """Each sequence's anchors (its own generator: the same whatever else the run trains), counted (a
+        stand-in's: none, and nothing counted)."""
         anchors = []
-        for i, item in zip(mine, items):
+        for i, item in zip(share.indices, share.items):
             g = torch.Generator().manual_seed(anchor_seed(self.config.optim.seed, epoch, i))
             anchors.append(sample_anchors(item["loss_mask"], self.config.model.max_anchors, g))
-        self.monitor.count(items, anchors)
+        if not share.stand_in:
+            self.monitor.count(share.items, anchors)
         return anchors
 
     def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool,

@@ -2,7 +2,8 @@
 
     TrainingLoop(configs, target, items, d, stop)    one Lane (dflash.train.lane) per drafter config
         per micro-batch   the data order's next indices (one order, shared), this rank's share collated once
-                          (padded, or its pack: dflash.train.pack_batches), target.context once (tapping the
+                          (its sequences or its pack, a zero-weight stand-in where it has none: dflash.train.shares;
+                          a pack by dflash.train.pack_batches), target.context once (tapping the
                           union of the drafters' layers: dflash.train.parallel.taps); then for each drafter: its
                           columns of it, its anchors, forward, backward
         per step          each drafter's clip, AdamW and LR step, metrics record, checkpoint (same steps)
@@ -31,7 +32,8 @@ from dflash.errors import CheckpointError
 from dflash.train.records import checkpoint as ckpt
 from dflash.train.records.heartbeat import Heartbeat
 from dflash.train.lane import Lane, TrainResult
-from dflash.train.pack_batches import pack_micro_batch, rank_pack
+from dflash.train.pack_batches import pack_micro_batch
+from dflash.train.shares import packed_share, padded_share
 from dflash.train.signals import StopFlag
 from dflash.train.parallel.taps import TargetView
 
@@ -59,7 +61,7 @@ class TrainingLoop:
         self.rng: dict[str, dict] = {}
         for name, config in configs.items():
             sees = TargetView(target, layers[name]) if layers and layers[name] != list(target.layer_ids) else target
-            self.lanes[name] = Lane(config, sees, items, d, eval_items)  # seeds the RNG, then inits
+            self.lanes[name] = Lane(config, sees, items, d, eval_items, stop)  # seeds the RNG, then inits
             if len(configs) > 1:
                 self.rng[name] = ckpt.capture_rng()  # this drafter's stream, as a run of it alone has it now
         self.first = next(iter(self.lanes.values()))
@@ -109,25 +111,27 @@ class TrainingLoop:
 
     # --- one optimizer step ------------------------------------------------------------------------
     def _share(self, epoch: int, indices: list):
-        """This rank's share of a global micro-batch: (batch on the device, the tapped states of every drafter's
-        layers, anchors_for(lane))."""
+        """This rank's share of a global micro-batch (dflash.train.shares: a stand-in when it holds nothing):
+        (the share, its batch on the device, the tapped states of every drafter's layers, anchors_for(lane))."""
         first, device = self.first, self.d.device
         if first.packed:  # this rank's pack and its anchors, the same for every drafter
-            mine, items, _stand_in = rank_pack(indices, first.items, self.d.rank)
-            batch, pack_anchors, counted = pack_micro_batch(self.config, epoch, mine, items, first.pad_id, device)
+            share = packed_share(indices, first.items, self.d)
+            batch, pack_anchors, counted = pack_micro_batch(self.config, epoch, share.indices, share.items,
+                                                            first.pad_id, device)
             context = self.target.context(batch["input_ids"], segments=batch["segments"])
 
             def anchors_for(lane: Lane) -> list[torch.Tensor]:
-                lane.monitor.count(items, counted)
+                if not share.stand_in:
+                    lane.monitor.count(share.items, counted)
                 return pack_anchors
         else:
-            mine, items = first._shard(indices)
-            batch = {key: v.to(device) for key, v in collate(items, first.pad_id).items()}
+            share = padded_share(indices, first.items, self.d)
+            batch = {key: v.to(device) for key, v in collate(share.items, first.pad_id).items()}
             context = self.target.context(batch["input_ids"], batch["attention_mask"])
 
             def anchors_for(lane: Lane) -> list[torch.Tensor]:  # its own --max-anchors, counted
-                return lane._anchors(epoch, mine, items)
-        return batch, context, anchors_for
+                return lane._anchors(epoch, share)
+        return share, batch, context, anchors_for
 
     def _optimizer_step(self) -> dict[str, dict]:
         """grad_accum micro-batches, each with one target forward for all drafters; then each drafter's step."""
@@ -135,12 +139,13 @@ class TrainingLoop:
         totals: dict[str, torch.Tensor] = {}
         for k in range(accum):
             epoch, indices = self.first.order.next()
-            batch, context, anchors_for = self._share(epoch, indices)
+            share, batch, context, anchors_for = self._share(epoch, indices)
             for name, lane in self.lanes.items():
                 with self._own_rng(name):
                     mine = lane.target.select(context) if isinstance(lane.target, TargetView) else context
-                    sums = lane._micro_step(batch, anchors_for(lane), sync=k == accum - 1, context=mine)
-                totals[name] = sums.pack() if name not in totals else totals[name] + sums.pack()
+                    sums = share.counted(lane._micro_step(batch, anchors_for(lane), sync=k == accum - 1,
+                                                          context=mine).pack())
+                totals[name] = sums if name not in totals else totals[name] + sums
             if self.heartbeat:
                 self.heartbeat.beat(self.step)
         records = {}

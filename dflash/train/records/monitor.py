@@ -9,8 +9,9 @@ After every optimizer step the trainer hands its record to `RunMonitor.step`, wh
 and, on rank 0, appends it to <out>/metrics.jsonl ("split": "train"), logs every --log-every steps and
 sends it to the --report-to trackers. Every --eval-every steps, and at the end of a run with an evaluation
 split, it evaluates (the trainer's dflash.train.evaluation.SplitEvaluator; every rank takes part) and
-writes a "split": "eval" record the same ways. At the end, rank 0 writes the run report
-(dflash.train.records.run_report: plots and a summary). The time an evaluation takes is not counted in tokens/s.
+writes a "split": "eval" record the same ways (none for an evaluation a stop ended). At the end, rank 0
+writes the run report (dflash.train.records.run_report: plots and a summary). The time an evaluation takes is
+not counted in tokens/s.
 
 Data flows one way: the monitor gets what it needs when the run starts (MonitorPlan, the run directory,
 the FLOP counter, the evaluator) and the records as they come; it reads nothing back from the trainer.
@@ -110,9 +111,10 @@ def setup_logging(run: RunDir, is_main: bool) -> None:
 
 class RunMonitor:
     def __init__(self, plan: MonitorPlan, run: RunDir, d: Dist, *, flops: StepFlops | None = None,
-                 evaluate: Callable[[], dict] | None = None):
+                 evaluate: Callable[[], dict | None] | None = None):
         """`flops` counts a micro-batch's model FLOPs (for MFU, on a GPU); `evaluate()` evaluates the drafter
-        being trained on the evaluation split (every rank calls it), None when there is no split."""
+        being trained on the evaluation split (every rank calls it; it returns None when a stop ended it), None
+        when there is no split."""
         self.plan, self.run, self.d, self.evaluator = plan, run, d, evaluate
         self.cuda = d.device.type == "cuda"
         self.trackers = open_trackers(plan.report_to, run, plan.options, is_main=d.is_main)
@@ -159,10 +161,14 @@ class RunMonitor:
         if self.evaluator and plan.eval_every and step % plan.eval_every == 0:
             self.evaluate(step)
 
-    def evaluate(self, step: int) -> dict:
-        """One evaluation of the current drafter on the evaluation split (all ranks), recorded on rank 0."""
+    def evaluate(self, step: int) -> dict | None:
+        """One evaluation of the current drafter on the evaluation split (all ranks), recorded on rank 0;
+        None, and no record, when a stop ended it."""
         start = time.perf_counter()
-        m = {"step": step, **self.evaluator()}
+        metrics = self.evaluator()
+        if metrics is None:
+            return None
+        m = {"step": step, **metrics}
         m["eval_s"] = round(time.perf_counter() - start, 2)
         self._write(m, "eval")
         if self.d.is_main:
