@@ -298,10 +298,16 @@ class DemoConfig(Section):
     eval_prompts: int = opt(16, "held-out prompts the demo evaluates on")
     eval_new_tokens: int = opt(64, "tokens generated per prompt in the evaluation")
     regen_new_tokens: int = opt(96, "most tokens per regenerated response in the demo")
+    pretrain_steps: int = opt(240, "optimizer steps that pre-train the demo target (fewer: a weaker target, built "
+                                   "sooner)")
+    cpu_kernels: str = opt("portable", "the demo's CPU kernels: 'portable' (one code path on every x86-64 CPU, so "
+                           "every machine prints the same tau; slower), 'native' (the CPU's fastest kernels; the "
+                           "drafter and tau then follow the CPU model)", choices=("portable", "native"))
 
     def __post_init__(self) -> None:
         self._check_common()
         self._at_least(1, "demo_conversations", "eval_prompts", "eval_new_tokens", "regen_new_tokens")
+        self._at_least(0, "pretrain_steps")
 
     def target_dir(self) -> Path | None:
         """Cache dir for build_demo_target (None: its default)."""

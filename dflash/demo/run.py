@@ -21,6 +21,7 @@ from dflash.train.records.rundir import RunDir
 from dflash.train.setup import load_target
 from dflash.train.parallel.sharded_checkpoint import full_drafter
 from dflash.train.trainer import train
+from dflash.demo import cpu_numerics
 from dflash.demo.corpus import demo_conversations
 from dflash.demo.tiny_target import build_demo_target
 
@@ -44,8 +45,12 @@ def demo_data(config: TrainConfig, target, conversations: list[list[dict]], d: d
 def run_demo(config: TrainConfig) -> int:
     """Build (or reuse) the tiny demo target, regenerate its data, train, then print tau beside the
     untrained-drafter and repeat-last-token baselines; <out>/eval.json keeps the numbers. Returns the
-    exit code (1 when the trained drafter's output was not lossless). The run holds --out from the
-    first write of its data to its evaluation (dflash.train.records.rundir)."""
+    exit code (1 when the trained drafter's output was not lossless). With --cpu-kernels portable (the
+    default) the CPU kernels are held to one path first (dflash.demo.cpu_numerics), so every x86-64 CPU
+    prints the same tau. The run holds --out from the first write of its data to its evaluation
+    (dflash.train.records.rundir)."""
+    if config.demo.cpu_kernels == "portable":
+        cpu_numerics.hold()  # before any tensor op: ATen and MKL read their settings at their first kernel
     # the layout's process group, held past train(): a sharded drafter is gathered after it for the evaluation
     with layouts.joined(config) as d, claimed_run(config, d) as run:
         return _run_demo(config, run, d)
@@ -63,9 +68,9 @@ def _whole_drafter(drafter, config: TrainConfig, d: distributed.Dist):
 def _run_demo(config: TrainConfig, run: RunDir, d: distributed.Dist) -> int:
     demo, seed, show = config.demo, config.optim.seed, config.runtime.progress
     if d.is_main:
-        build_demo_target(demo.target_dir(), seed=seed, progress=show)
+        build_demo_target(demo.target_dir(), seed=seed, pretrain_steps=demo.pretrain_steps, progress=show)
     distributed.barrier(d)  # other ranks load the target rank 0 built (cached: no second build)
-    path = build_demo_target(demo.target_dir(), seed=seed, progress=False)
+    path = build_demo_target(demo.target_dir(), seed=seed, pretrain_steps=demo.pretrain_steps, progress=False)
     target = load_target(config, d.device, path)
     conversations = demo_conversations(demo.demo_conversations + demo.eval_prompts, seed=seed)
     held_out = conversations[demo.demo_conversations:]

@@ -35,6 +35,7 @@ import torch
 
 from common.fsutil import atomic_write
 
+from dflash.demo import cpu_numerics
 from dflash.demo.corpus import corpus_texts, demo_conversations
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class DemoSpec:
     seq_len: int = 256                 # packed row length (a multiple of the torch GatedDeltaNet's 64-token chunk)
     batch_size: int = 8                # rows per step
     lr: float = 4e-3                   # AdamW peak; 5% warmup, cosine to 10%
+    cpu_kernels: str = "native"        # the CPU kernel paths it was built with (dflash.demo.cpu_numerics.kernels)
 
     def key(self) -> str:
         blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
@@ -93,13 +95,14 @@ def build_demo_target(out_dir=None, *, seed: int = 0, pretrain_steps: int = Demo
     """Build (or reuse) the demo target under `out_dir` and return its HF model directory.
 
     The directory is `out_dir/demo-target-<hash of the build parameters>`; an existing complete one
-    is reused, an incomplete one rebuilt. `out_dir` defaults to `default_demo_dir()`. Builds take
+    is reused, an incomplete one rebuilt. `out_dir` defaults to `default_demo_dir()`. The CPU kernel paths
+    this process runs (`dflash.demo.cpu_numerics`) are a build parameter: the demo holds them first. Builds take
     about a minute on one CPU core. Under torchrun, build on rank 0 and barrier before the others
     load it (concurrent builds are safe, just wasted work: the first rename wins).
     """
     if pretrain_steps < 0:
         raise ValueError(f"pretrain_steps must be >= 0, got {pretrain_steps}")
-    spec = DemoSpec(seed=seed, pretrain_steps=pretrain_steps)
+    spec = DemoSpec(seed=seed, pretrain_steps=pretrain_steps, cpu_kernels=cpu_numerics.kernels())
     root = Path(out_dir) if out_dir is not None else default_demo_dir()
     final = root / f"demo-target-{spec.key()}"
     if _is_complete(final, spec):
