@@ -49,6 +49,28 @@ def test_help_lists_every_option_with_its_default_in_its_sections_group():
         assert text.count(f"{f.metadata['help']} (default:") == int(not said), flag
 
 
+def test_train_help_says_how_to_train_several_drafters_with_an_example_that_parses(tmp_path, monkeypatch):
+    """`dflash-train --help` names the --config file's `drafters` list and gives a one-line example; the example
+    is run through the real reader: the command line it shows and the file it shows give the drafters it says."""
+    from dflash.cli import train_parser
+    from dflash.config.drafters import drafter_configs, resolve_drafters
+
+    text = " ".join(train_parser().format_help().split())  # argparse wraps lines
+    assert "Several drafters on one target pass: a --config file with a `drafters` list" in text
+    assert "[[drafters]]" in text
+    example = re.search(r"e\.g\. dflash-train (.+?), where (\S+) is the one line `(.+?)`", text)
+    assert example, text
+    argv, name, line = example.group(1).split(), example.group(2), example.group(3)
+    assert argv[argv.index("--config") + 1] == name
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(line + "\n")
+    config = train_config(argv)
+    specs = resolve_drafters(name, config.io.out, config.io.resume)
+    configs = drafter_configs(config, specs)
+    assert {n: c.model.block_size for n, c in configs.items()} == {"b16": 16, "b8": 8}
+    assert configs["b8"].io.out == "runs/sweep/drafters/b8"
+
+
 def test_demo_defaults_apply_only_without_target_and_data(tmp_path):
     demo = _parse([])
     assert demo.is_demo and demo.model.block_size == DEMO_DEFAULTS["block_size"]
