@@ -26,30 +26,40 @@ import os
 
 import torch
 
-from dflash.errors import ConfigError
-
 log = logging.getLogger(__name__)
 
 # read by ATen and MKL when their first kernel runs, never again
 HELD_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 
 
-def hold() -> None:
-    """Pin ATen, MKL and oneDNN to their portable paths for the rest of this process (module docstring)."""
-    seen = {k: os.environ.get(k) for k in HELD_ENV}
-    overridden = {k: v for k, v in seen.items() if v is not None and v.lower() != HELD_ENV[k].lower()}
+def hold() -> bool:
+    """Pin ATen, MKL and oneDNN to their portable paths for the rest of this process (module docstring).
+
+    In a process where a tensor op already ran (a notebook, a test run calling the demo in-process) ATen
+    has fixed its path: nothing is changed then, a warning says the tau will not be the portable one, and
+    the result is False (the demo target's cache key then says 'native')."""
+    previous = os.environ.get("ATEN_CPU_CAPABILITY")
+    os.environ["ATEN_CPU_CAPABILITY"] = HELD_ENV["ATEN_CPU_CAPABILITY"]
+    capability = torch.backends.cpu.get_cpu_capability()  # fixes ATen's path, unless an op already did
+    if capability != "DEFAULT":
+        if previous is None:
+            os.environ.pop("ATEN_CPU_CAPABILITY")
+        else:
+            os.environ["ATEN_CPU_CAPABILITY"] = previous
+        log.warning("the demo's CPU kernels could not be held to one path on every CPU: a tensor op ran earlier in "
+                    "this process and fixed ATen's at %s, so the drafter and tau follow this CPU. Start the demo in "
+                    "a process of its own (dflash-train with no --target/--data) for the portable figure.", capability)
+        return False
+    overridden = {k: os.environ[k] for k in ("MKL_CBWR",) if os.environ.get(k, HELD_ENV[k]).upper() != HELD_ENV[k]}
+    if previous is not None and previous.lower() != HELD_ENV["ATEN_CPU_CAPABILITY"]:
+        overridden["ATEN_CPU_CAPABILITY"] = previous
     if overridden:
         log.warning("the demo holds its CPU kernels to one path on every CPU: %s replaced by %s",
                     ", ".join(f"{k}={v}" for k, v in overridden.items()),
                     ", ".join(f"{k}={HELD_ENV[k]}" for k in overridden))
-    os.environ.update(HELD_ENV)
+    os.environ.update(HELD_ENV)  # MKL reads MKL_CBWR at its first call
     torch.backends.mkldnn.enabled = False
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "DEFAULT":
-        raise ConfigError(f"the demo's CPU kernels could not be held to ATen's baseline path: a tensor op ran before "
-                          f"dflash.demo.cpu_numerics.hold() and fixed it at {capability}. Start the demo in a new "
-                          "process (dflash-train with no --target/--data), or set ATEN_CPU_CAPABILITY=default "
-                          "and MKL_CBWR=COMPATIBLE before Python starts.")
+    return True
 
 
 def kernels() -> str:
