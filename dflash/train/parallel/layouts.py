@@ -76,6 +76,11 @@ def check_layout(config: TrainConfig, world_size: int | None = None) -> None:
     loaded, naming the fix."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.layout.shards_drafter and config.watch.eval_tau_prompts and config.watch.has_eval_split:
+        raise ConfigError(f"--eval-tau-prompts decodes with the whole drafter on rank 0, and --layout "
+                          f"{config.layout.name} holds it in shards across the ranks; drop --eval-tau-prompts (the "
+                          "evaluation's loss, accuracy and acceptance still run) and measure tau on the exported "
+                          "drafter with dflash-eval, or train with --layout replicate.")
     if not config.layout.target_in_stages:
         return
     if world_size < config.layout.min_world:

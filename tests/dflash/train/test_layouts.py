@@ -37,6 +37,8 @@ def test_layout_names_are_the_documented_ones():
     (dict(layout="pipeline"), 1, "launch it with torchrun --nproc-per-node 2"),
     (dict(layout="pipeline", target_stages=2), 2, "--target-stages 1 or fewer"),
     (dict(layout="pipeline", eval_fraction=0.1), 2, "drop --eval-data/--eval-fraction"),
+    (dict(layout="shard", eval_fraction=0.1, eval_tau_prompts=4), 2, "--layout shard holds it in shards.*dflash-eval"),
+    (dict(layout="offload", eval_fraction=0.1, eval_tau_prompts=4), 1, "--layout offload holds it in shards"),
 ])
 def test_bad_combinations_name_the_fix(flat, world, match):
     with pytest.raises(ConfigError, match=match):
