@@ -113,7 +113,7 @@ def profile_forward(target, items, args, device, peak: float | None, profile_out
         loop = TrainingLoop({"": config}, target, items, distributed.Dist(0, 1, 0, device), StopFlag())
         trainer = loop.first
         epoch, indices = trainer.order.next()
-        batch, context, anchors_for = loop._share(epoch, indices)  # padded or packed, as the loop makes them
+        _share, batch, context, anchors_for = loop._share(epoch, indices)  # padded or packed, as the loop makes them
         anchors = anchors_for(trainer)
         n_anchors = config.optim.pack_anchors if trainer.packed else None
         state = {"drafter": trainer.drafter, "context": context}
