@@ -14,10 +14,11 @@ The format follows the suffix: .yaml/.yml (PyYAML), .json, .toml (tomllib). Keys
 `dflash-train --help`; an unknown key, an option under another section than its own, or one option given
 twice (`lr` at the top and `lr` under [optim]: neither wins silently) fails and names the fix. Values are
 checked against each option's type here (YAML reads `6e-4` as a string: numbers in strings are converted
-as the command line would), and the whole config is checked by TrainConfig afterwards. A `drafters` list (TOML: `[[drafters]]` tables) names several drafters trained on one target
-pass; dflash.config.drafters reads it (`read_drafter_entries`), the other keys are read here. The run's
-resolved config is written to <out>/config.json as always, so `--config
-<out>/config.json` repeats a run (also the flat config.json of runs written before the sections).
+as the command line would), and the whole config is checked by TrainConfig afterwards. A `drafters` list
+(TOML: `[[drafters]]` tables) names several drafters trained on one target pass; dflash.config.drafters
+reads it (`read_drafter_entries`), the other keys are read here. The run's resolved config is written to
+<out>/config.json as always, so `--config <out>/config.json` repeats a run (also the flat config.json of
+runs written before the sections).
 """
 
 from __future__ import annotations

@@ -38,25 +38,23 @@ def hold() -> bool:
     In a process where a tensor op already ran (a notebook, a test run calling the demo in-process) ATen
     has fixed its path: nothing is changed then, a warning says the tau will not be the portable one, and
     the result is False (the demo target's cache key then says 'native')."""
-    previous = os.environ.get("ATEN_CPU_CAPABILITY")
+    seen = {k: os.environ.get(k) for k in HELD_ENV}
     os.environ["ATEN_CPU_CAPABILITY"] = HELD_ENV["ATEN_CPU_CAPABILITY"]
     capability = torch.backends.cpu.get_cpu_capability()  # fixes ATen's path, unless an op already did
     if capability != "DEFAULT":
-        if previous is None:
-            os.environ.pop("ATEN_CPU_CAPABILITY")
+        if seen["ATEN_CPU_CAPABILITY"] is None:
+            del os.environ["ATEN_CPU_CAPABILITY"]
         else:
-            os.environ["ATEN_CPU_CAPABILITY"] = previous
+            os.environ["ATEN_CPU_CAPABILITY"] = seen["ATEN_CPU_CAPABILITY"]
         log.warning("the demo's CPU kernels could not be held to one path on every CPU: a tensor op ran earlier in "
                     "this process and fixed ATen's at %s, so the drafter and tau follow this CPU. Start the demo in "
                     "a process of its own (dflash-train with no --target/--data) for the portable figure.", capability)
         return False
-    overridden = {k: os.environ[k] for k in ("MKL_CBWR",) if os.environ.get(k, HELD_ENV[k]).upper() != HELD_ENV[k]}
-    if previous is not None and previous.lower() != HELD_ENV["ATEN_CPU_CAPABILITY"]:
-        overridden["ATEN_CPU_CAPABILITY"] = previous
-    if overridden:
+    replaced = {k: v for k, v in seen.items() if v is not None and v.upper() != HELD_ENV[k].upper()}
+    if replaced:
         log.warning("the demo holds its CPU kernels to one path on every CPU: %s replaced by %s",
-                    ", ".join(f"{k}={v}" for k, v in overridden.items()),
-                    ", ".join(f"{k}={HELD_ENV[k]}" for k in overridden))
+                    ", ".join(f"{k}={v}" for k, v in replaced.items()),
+                    ", ".join(f"{k}={HELD_ENV[k]}" for k in replaced))
     os.environ.update(HELD_ENV)  # MKL reads MKL_CBWR at its first call
     torch.backends.mkldnn.enabled = False
     return True
