@@ -8,6 +8,8 @@ PYTHON  ?= python3.11
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: the system tiers on one, the rest beside them (tests/conftest.py)
+TEST_WORKERS ?= 2
 # e.g. --targets cu130-sm120-torch2.14 --results bench/results/<machine>/wheels-matrix.json
 BENCH_MATRIX_ARGS ?=
 HOST    ?=
@@ -144,8 +146,8 @@ push-docker: venv  ## stream the image to a Docker host over SSH and run its doc
 lint: venv  ## ruff over the whole tree (rules in pyproject.toml)
 	$(VENV)/bin/ruff check .
 
-test: venv lint engine  ## lint, then every test tier this machine can run
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: venv lint engine  ## lint, then every test tier this machine can run (TEST_WORKERS=2 pytest-xdist workers)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: venv  ## unit tests only (no Docker, no compiles)
 	$(PY) -m pytest -m "not docker and not nvcc and not lxc and not ssh and not gpu and not slow and not serving" $(PYTEST_ARGS)

@@ -83,6 +83,32 @@ def need_tools(*tools: str) -> None:
         pytest.skip(f"{', '.join(missing)} not installed (apt-get install {packages})")
 
 
+# `make test` runs two pytest-xdist workers (-n 2 --dist loadgroup --no-loadscope-reorder). The tests of
+# the system tiers share one Docker engine, its layer cache, dist/wheels/ and LXC, and their session
+# fixtures (the wheels, the images, the LXC template) build once per worker: they are one group, so one
+# worker runs them in order while the other runs the rest, a module at a time (its module fixtures built
+# once). The system group goes first, then modules with slow tests, so the short ones even out the end.
+SYSTEM_TIERS = ("docker", "lxc")
+
+
+def _group(item) -> str:
+    if any(item.get_closest_marker(t) for t in SYSTEM_TIERS):
+        return "system"
+    return item.nodeid.split("::")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def order(item) -> int:
+        group = _group(item)
+        return 0 if group == "system" else 1 if group in slow_modules else 2
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=order)  # stable: each module's tests stay together and in their order
+
+
 def pytest_runtest_setup(item):
     for tier in ("docker", "nvcc", "lxc", "ssh", "registry", "gpu", "serving"):
         if item.get_closest_marker(tier) is None:
