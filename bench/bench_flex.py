@@ -9,7 +9,7 @@ trainer samples them (dflash.train.probes.synthetic; shapes: dflash.model.shapes
 dQ, pipeline stages, warps; torch's default for the device first), flex_attention is compiled with those
 kernel options and timed: median ms of forward, and of forward + backward, with CUDA events. Every
 configuration's output and gradients are compared with the default's (max |diff| / max |ref|), so a
-faster one that computes something else is caught. dflash.model.FLEX_BACKWARD_TILES holds the winner.
+faster one that computes something else is caught. dflash.model.drafter.FLEX_BACKWARD_TILES holds the winner.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ takes them from a file: one length per line, or a chat JSONL ({"messages": [...]
 template of --tokenizer DIR. Tokens are random ids (speed does not depend on them); the first third of each
 sequence is the prompt (loss mask 0), the rest the answer.
 
-Every variant runs the real training loop (`dflash.train.train`), one after the other in one run:
+Every variant runs the real training loop (`dflash.train.trainer.train`), one after the other in one run:
     fixed    the fixed shape bench_train measures: --batch-size sequences of --max-length tokens each (the first
              third prompt, as in the mix), --anchors anchors per sequence; the yardstick the packed run is held to
     padded   the mix, --packing off, --batch-size sequences per micro-batch, at most --max-tokens padded tokens

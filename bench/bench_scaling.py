@@ -11,7 +11,7 @@ Same loss: one process on the global batch of the largest N (batch N x per-rank,
 N-process run: dflash.train splits a global micro-batch round-robin over the ranks and normalises the loss
 over the whole global batch, so the per-step losses must agree (float rounding on CPUs, bf16 noise on GPUs).
 
-Every run is bench/bench_train.py's real training loop (`dflash.train.train`) launched by
+Every run is bench/bench_train.py's real training loop (`dflash.train.trainer.train`) launched by
 `python -m torch.distributed.run --standalone`. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
 """
 

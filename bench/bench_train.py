@@ -8,7 +8,7 @@
 Presets: demo (the built-in demo target), large (a random Qwen3.5 hybrid sized by --hidden/--layers/
 --vocab), 27b (a random target of Qwen3.5-27B's exact shape: 64 layers, hidden 5120, 26.9B parameters,
 54 GB in bf16). For each target and each --attention implementation of the drafter:
-  1. throughput: `dflash.train.train` itself runs --steps optimizer steps on synthetic sequences (the
+  1. throughput: `dflash.train.trainer.train` itself runs --steps optimizer steps on synthetic sequences (the
      first --warmup steps are not counted); tokens/s counts the real (unpadded) sequence tokens;
   2. time split: the trainer's own micro-batch step (dflash.train.step: micro_batch_sums, backward) timed
      phase by phase (CUDA synchronised before every clock read): target forward (blocks, context,

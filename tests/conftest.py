@@ -104,8 +104,9 @@ def pytest_collection_modifyitems(config, items):
         group = _group(item)
         return 0 if group == "system" else 1 if group in slow_modules else 2
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
     items.sort(key=order)  # stable: each module's tests stay together and in their order
 
 

@@ -1,10 +1,10 @@
 """Training data for DFlash: conversations -> token ids + assistant-only loss mask -> length-bucketed batches.
 
-    conversations (dflash.chat) --ChatDataset(tokenizer, max_length, block_size)--> items
-        {input_ids [T], loss_mask [T]}      (loss mask: dflash.spans, from the single full render)
+    conversations (dflash.data.chat) --ChatDataset(tokenizer, max_length, block_size)--> items
+        {input_ids [T], loss_mask [T]}      (loss mask: dflash.data.spans, from the single full render)
     --DataOrder: make_batches(lengths, max_tokens, batch_size, seed, epoch), epoch after epoch-->
         sample indices of each global micro-batch --collate--> padded [B,T] tensors
-    load_items(config, target): --data of any size, tokenised in parallel and cached (dflash.token_cache)
+    load_items(config, target): --data of any size, tokenised in parallel and cached (dflash.data.token_cache)
 
 Training on the target's own responses (not the dataset's) is what DFlash wants (dflash.regenerate):
 the drafter must predict what *this* target says next. Samples with fewer than 2 x block_size
@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 class ChatDataset(torch.utils.data.Dataset):
     """Tokenised conversations in memory; items are {"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}.
 
-    For the demo and tests; a run's --data goes through dflash.token_cache (parallel, cached). Samples
+    For the demo and tests; a run's --data goes through dflash.data.token_cache (parallel, cached). Samples
     with fewer than `min_supervised` (default 2 * block_size) assistant tokens after truncation are
     dropped and counted in `.report` (reason "too_few_supervised_tokens"); so are conversations that
-    give no sample (dflash.spans.Unusable: "template_error", "no_assistant_turn", "empty_assistant_turn").
+    give no sample (dflash.data.spans.Unusable: "template_error", "no_assistant_turn", "empty_assistant_turn").
     A template with no way to locate assistant turns raises ChatTemplateError.
     """
 
@@ -196,7 +196,7 @@ def item_lengths(items) -> list[int]:
 
 def load_items(config, target):
     """The run's items: --data (and --eval-data / --eval-fraction) tokenised with the target's chat template,
-    once per data + tokenizer + max length, cached on disk and shared by all ranks (dflash.token_cache).
+    once per data + tokenizer + max length, cached on disk and shared by all ranks (dflash.data.token_cache).
     The result is a TokenizedItems; its `.eval` holds the evaluation split (None without one)."""
     from dflash.data.token_cache import load_tokenized
 

@@ -43,7 +43,7 @@ _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model
 _MESSAGE_KEYS = ("messages", "conversations", "conversation")
 # Where servers and datasets put an assistant's reasoning (vLLM >= 0.11: reasoning; SGLang: reasoning_content).
 _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
-# Bump when what parse_conversation accepts changes: it is part of the token cache's key (dflash.token_cache).
+# Bump when what parse_conversation accepts changes: it is part of the token cache's key (dflash.data.token_cache).
 CONVERSATION_RULES_VERSION = 2  # 2: roles out of order are refused
 
 

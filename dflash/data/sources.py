@@ -5,7 +5,7 @@ shards, or a dataset saved with `datasets` (`Dataset.save_to_disk`).
     JSON text, "where": "file:line" or "file#row", "error": why the record could not be read, or ""}
 
 Records stay raw JSON text here, so that rows of any shape survive (Arrow would unify the messages of
-all rows into one struct type); dflash.token_cache parses and tokenises them in parallel. A shard that
+all rows into one struct type); dflash.data.token_cache parses and tokenises them in parallel. A shard that
 cannot be read raises DataError naming it; a line that is not JSON or not UTF-8 becomes a record whose
 "error" says so (counted, or fatal with --on-bad-line stop). So does a record longer than
 `max_record_bytes(max_length)`: only its first --max-length tokens could be trained on, and tokenising a

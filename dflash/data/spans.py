@@ -45,7 +45,7 @@ import re
 from dflash.data.chat import Conversation, tools_of
 from dflash.errors import ChatTemplateError, DataError
 
-# Bump when what gets supervised changes: it is part of the token cache's key (dflash.token_cache).
+# Bump when what gets supervised changes: it is part of the token cache's key (dflash.data.token_cache).
 # 3: a conversation's tools are rendered (the tools system block is context, never supervised).
 SPAN_RULES_VERSION = 3
 

@@ -1,6 +1,6 @@
 """Tokenised training data, built once per (data, tokenizer, max length, span rules) and shared by ranks.
 
-    --data --datasets_io--> raw records --map(num_proc): parse + dflash.spans--> {input_ids, loss_mask}
+    --data --datasets_io--> raw records --map(num_proc): parse + dflash.data.spans--> {input_ids, loss_mask}
       --> <cache>/<key>/train (+ eval), record.json        (Arrow files, memory-mapped when read)
 
 The key hashes the data's content (every file's bytes, not its path or mtime), the tokenizer (its

@@ -1,8 +1,8 @@
 """The numbers that judge a drafter: tau, tokens/s against plain decoding, and losslessness.
 
 `evaluate` runs each prompt twice, side by side under the same conditions: speculative decoding
-(dflash.spec_decode, the drafter proposing, the target verifying) and plain decoding by the target
-alone, both with the target's caches (dflash.target_cache) unless use_cache=False. speed-up = spec
+(dflash.decode.spec_decode, the drafter proposing, the target verifying) and plain decoding by the target
+alone, both with the target's caches (dflash.decode.target_state) unless use_cache=False. speed-up = spec
 tokens/s / plain tokens/s. At temperature 0 the two outputs must be equal token for token ("lossless"),
 except where they first differ at a near-tie: the target's logits for the two tokens within its dtype's
 rounding there, which a verify pass and a one-token forward can break differently (dflash.decode.lossless

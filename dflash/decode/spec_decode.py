@@ -6,7 +6,7 @@ One step (block size bs, anchor = the last accepted token, not yet seen by the t
     drafter  proposes d1 .. d(bs-1) for positions a+1 .. a+bs-1 from context(< a) and the block
     target   one forward over [x_a, d1 .. d(bs-1)]  ->  p_k = target's distribution for position a+k
     accept   a prefix d1..dn (rule below), then one token from the target itself  =>  n+1 tokens
-    rollback the target's cache keeps x_a, d1..dn (dflash.target_cache: exact for GatedDeltaNet too)
+    rollback the target's cache keeps x_a, d1..dn (dflash.decode.target_state: exact for GatedDeltaNet too)
 
 tau = mean tokens per verify step (1 <= tau <= bs). Both decoders run the target either with its caches
 (`use_cache=True`: each forward feeds only the new tokens) or without (every forward re-runs the whole

@@ -106,7 +106,7 @@ def demo_conversations(n: int, seed: int = 0, turns: tuple[int, int] = (2, 3)) -
 
     Each has between turns[0] and turns[1] user/assistant exchanges (several short answers give a
     sample the >= 2 x block_size supervised tokens training asks for). The assistant answers are the
-    templates' reference answers: placeholders that `dflash.regenerate.regenerate` replaces with the
+    templates' reference answers: placeholders that `dflash.regenerate.local.regenerate` replaces with the
     target's own responses (the target imitates them only as well as its short pre-training allows).
     """
     lo, hi = turns

@@ -12,7 +12,7 @@ continuations are varied.
 
 The built directory is cached under a name keyed by a hash of every build parameter and written
 atomically (built in a temporary sibling, then renamed), so concurrent or interrupted builds never
-leave a half-written target where a good one belongs. It loads through `dflash.target.Target.load`
+leave a half-written target where a good one belongs. It loads through `dflash.model.target.Target.load`
 like any real model.
 """
 

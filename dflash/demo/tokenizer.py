@@ -6,7 +6,7 @@ a mask token for DFlash blocks) without downloading anything. Byte-level BPE can
 demo corpus turns most corpus words into single tokens, which keeps the demo target tiny.
 
 Rendered conversation (ChatML, as Qwen does it; the assistant part between the generation tags is what
-`return_assistant_tokens_mask` marks, and what `dflash.data.tokenize_conversation` supervises):
+`return_assistant_tokens_mask` marks, and what `dflash.data.spans.tokenize_conversation` supervises):
 
     <|im_start|>user\\n{content}<|im_end|>\\n
     <|im_start|>assistant\\n{% generation %}{content}<|im_end|>{% endgeneration %}\\n

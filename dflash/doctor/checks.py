@@ -20,7 +20,7 @@ from packaging.version import InvalidVersion, Version
 
 from dflash.doctor.verdict import FAIL, PASS, SKIP, CheckResult
 
-if TYPE_CHECKING:  # dflash.target imports torch: the checks import it only when they run
+if TYPE_CHECKING:  # dflash.model.target imports torch: the checks import it only when they run
     from dflash.model.kernels import KernelFunction
 
 WHEEL_FIX = "rebuild the wheel for the installed torch with `make wheels` and install it from dist/wheels/"
@@ -294,7 +294,7 @@ def dispatch_row(fn: KernelFunction) -> dict:
 
 def check_dispatch(modules: tuple[str, ...] = QWEN35_MODULES) -> CheckResult:
     """Every kernel function of the model modules resolved to its package's kernel (read by
-    dflash.target.kernel_functions, the same reader the trainer's routing uses)."""
+    dflash.model.kernels.kernel_functions, the same reader the trainer's routing uses)."""
     import transformers
 
     from dflash.model.kernels import kernel_functions

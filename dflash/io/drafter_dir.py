@@ -28,7 +28,7 @@ config.json, as `reference_config` writes it (one key per DrafterConfig field, e
 
 Tensors: fc, hidden_norm, norm, layers.N.{input_layernorm, post_attention_layernorm},
 layers.N.self_attn.{q,k,v,o}_proj, layers.N.self_attn.{q,k}_norm, layers.N.mlp.{gate,up,down}_proj
-(all `.weight`): exactly the module tree of `dflash.model.Drafter`, so `expected_tensors` asks the model.
+(all `.weight`): exactly the module tree of `dflash.model.drafter.Drafter`, so `expected_tensors` asks the model.
 No embedding and no LM head: the target's are used.
 
 Reading checks everything it can before a weight is loaded: the config (model type, architecture, DFlash keys,

@@ -21,7 +21,7 @@ class TargetShape:
 
 
 def target_shape(path) -> TargetShape:
-    """TargetShape of the HF model directory (or Hub model id: dflash.target.resolve_target) `path`,
+    """TargetShape of the HF model directory (or Hub model id: dflash.model.target.resolve_target) `path`,
     from its config.json alone."""
     from dflash.model.target import read_target_config, resolve_target
 

@@ -335,7 +335,7 @@ class Target:
              **cache_kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One decoder pass: ([B,T,H] last hidden after the final norm, [B,T,k*H] tapped states).
         segments (dflash.model.segments) keep the sequences of packed rows apart; cache_kwargs (none: no
-        cache) continue a transformers cache (dflash.target_cache builds them). Not both. last=False: the
+        cache) continue a transformers cache (dflash.decode.target_state builds them). Not both. last=False: the
         pass ends after the last tapped layer and the last hidden is None (dflash.model.tapped_pass)."""
         if segments is not None:
             extra = self._packed_kwargs(input_ids, attention_mask, segments, cache_kwargs)
@@ -357,7 +357,7 @@ class Target:
     @torch.no_grad()
     def forward_cached(self, input_ids: torch.Tensor, **cache_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """[B,T] ids continuing a cache -> ([B,T,H] last hidden after the final norm, [B,T,k*H] context);
-        cache_kwargs come from dflash.target_cache.TargetCache, which owns the cache and its rollback."""
+        cache_kwargs come from dflash.decode.target_state.TargetCache, which owns the cache and its rollback."""
         return self._run(input_ids, **cache_kwargs)
 
     @torch.no_grad()

@@ -88,7 +88,7 @@ class ChatClient:
 
     def body(self, messages: list[dict]) -> bytes:
         """The request's JSON. History goes without `reasoning_content` (the Qwen templates drop it from
-        earlier turns), and tool-call arguments as the JSON strings of the OpenAI wire format (dflash.chat
+        earlier turns), and tool-call arguments as the JSON strings of the OpenAI wire format (dflash.data.chat
         keeps them as mappings, the form chat templates iterate)."""
         request = {"model": self.model, "max_tokens": self.max_tokens, "temperature": self.temperature,
                    "messages": [_wire_message(m) for m in messages]}

@@ -9,7 +9,7 @@ rule training follows: dflash.train.shares), so the ranks' collectives stay in s
 stop (SIGTERM, Ctrl-C, on any rank) ends an evaluation before its next micro-batch on every rank, without a
 record; the training loop then writes its checkpoint and stops, as after a step.
 
-What an evaluation reports (dflash.step.summarize over the whole split, summed over ranks):
+What an evaluation reports (dflash.train.step.summarize over the whole split, summed over ranks):
     loss, acc, acc_per_pos     weighted CE and top-1 accuracy per block position k = 1..bs-1
     accept_per_pos             a_k = P(position k correct | positions 1..k-1 correct): of the blocks whose
                                first k-1 guesses match the labels, the share whose k-th matches too
@@ -28,7 +28,7 @@ evaluations each, 12 prompts) the mean of L over every answer position read x0.8
 
 With --eval-tau-prompts N, on the first N evaluation sequences (rank 0 only; the other ranks wait at
 their next collective):
-    tau            measured by speculative decoding (dflash.evaluate) from each sequence's prompt
+    tau            measured by speculative decoding (dflash.decode.evaluate) from each sequence's prompt
     tau_replay     greedy verification replayed on the data: a block at every answer position gives
                    L(p) = 1 + leading correct positions; from the answer's first token, p -> p + L(p)
                    for --eval-new-tokens tokens; tau_replay = tokens / steps. With the target's own
@@ -76,7 +76,7 @@ def split_items(items: list[dict], fraction: float, seed: int) -> tuple[list[dic
 
 def eval_split(config: TrainConfig, target, items: list[dict]) -> tuple[list[dict], list[dict]]:
     """The run's (training items, evaluation items) as --eval-data / --eval-fraction say."""
-    if hasattr(items, "eval"):  # dflash.token_cache made (and cached) the split while tokenising --data
+    if hasattr(items, "eval"):  # dflash.data.token_cache made (and cached) the split while tokenising --data
         return items, list(items.eval or [])
     if config.watch.eval_data:
         from dflash.data.batches import load_items

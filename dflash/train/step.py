@@ -96,7 +96,7 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
                      objective_options: dict | None = None, n_anchors: int | None = None) -> StepSums:
     """The forward pass of one micro-batch: frozen target, drafter, LM head and loss, as sums.
 
-    batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.collate), or packed rows
+    batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.batches.collate), or packed rows
     with their "segments" too (dflash.data.packs.collate_pack: the target, the blocks and the drafter keep
     each sequence to itself); anchors: one sorted [n_b] position tensor per row (dflash.train.blocks.sample_anchors,
     or sample_pack_anchors), `n_anchors` the fixed anchor count of packed rows. `drafter` may be the DDP
