@@ -97,6 +97,7 @@ def _group(item) -> str:
     return item.nodeid.split("::")[0]
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
 
@@ -104,10 +105,22 @@ def pytest_collection_modifyitems(config, items):
         group = _group(item)
         return 0 if group == "system" else 1 if group in slow_modules else 2
 
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
     items.sort(key=order)  # stable: each module's tests stay together and in their order
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        _name_groups(items)
+
+
+def _name_groups(items) -> None:
+    """--dist loadgroup schedules by a '@group' suffix of each test's node id. pytest-xdist 3.8 writes that
+    suffix to Node._nodeid, which pytest 9 no longer reads (its id is Node._id), so every test would be a
+    group of its own and both workers would build the session's wheels at once: the suffix is written here,
+    where pytest 9 reads it."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        group = _group(item)
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+        assert item.nodeid.endswith(f"@{group}"), "pytest no longer reads Node._id: see _name_groups"
 
 
 def pytest_runtest_setup(item):

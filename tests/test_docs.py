@@ -1,4 +1,6 @@
-"""The docs and docstrings name only modules and objects that exist.
+"""The docs as a reader meets them: the README within its cap, and only names that exist.
+
+The README stays a front page of at most 250 lines; the detail lives in docs/ and is linked.
 
 Every dotted name of one of the project's packages (`dflash.train.shares`, `images.build.build_wheels`,
 `wheelbuilder.lock.lock_all`, ...) in README.md, docs/*.md and the packages' docstrings and comments must
@@ -73,3 +75,8 @@ def test_the_resolver_tells_a_stale_name_from_a_real_one():
     assert resolves("dflash.kinds.kind.DrafterKind.own_keys")  # a dataclass field
     assert not resolves("dflash.spans") and not resolves("dflash.data.tokenize_conversation")
     assert not resolves("dflash.train.trainer.no_such_function")
+
+
+def test_readme_stays_within_250_lines():
+    n = len((REPO / "README.md").read_text().splitlines())
+    assert n <= 250, f"README.md has {n} lines (at most 250: move the detail to a page in docs/ and link it)"
