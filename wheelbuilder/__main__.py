@@ -104,110 +104,155 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _verify_manifest(args: argparse.Namespace) -> int:
+    """`verify`: every wheel of the folder's manifest.json is there with its sha256."""
+    from .manifest import read_manifest, verify_wheels
+
+    problems = verify_wheels(args.dir)
+    if problems:
+        raise FatalError(f"{args.dir}: " + "; ".join(problems))
+    for w in read_manifest(args.dir).wheels:
+        print(f"ok  {w.sha256}  {w.filename}")
+    return 0
+
+
+def _write_index(args: argparse.Namespace) -> int:
+    """`index`: the PEP 503 index of the verified wheels, and how to install from it per target."""
+    from .index import write_index
+
+    record = write_index(args.wheels, args.out)
+    for target in sorted({w["target"] for w in record["wheels"]}):
+        print(f"{target:<24} pip install causal-conv1d --index-url <server>/{target}/simple")
+    print(f"wrote {args.out} ({len(record['wheels'])} wheels); serve it, e.g. "
+          f"`python -m http.server -d {args.out} 8000`")
+    return 0
+
+
+def _list_targets(args: argparse.Namespace, catalog: tg.Catalog) -> int:
+    """`list`: the targets with their pins, as a table (the default one starred) or as JSON."""
+    rows = [{"target": t.name, "default": t.name == catalog.default_target, "cuda": str(t.toolkit.cuda),
+             "toolkit": t.toolkit.kind, "torch": t.torch.version, "torch_index": t.torch.index,
+             "cxx_standard": t.torch.cxx_standard, "lock": t.torch.lock, "python": t.python,
+             "arches": [str(a) for a in t.arches], "recipes": [r.key for r in t.recipes],
+             "description": t.description} for t in catalog.targets.values()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            star = "*" if r["default"] else " "
+            print(f"{star} {r['target']:<22} CUDA {r['cuda']:<7} torch {r['torch']:<13} py{r['python']:<5} "
+                  f"arches {','.join(r['arches']):<10} {r['description']}")
+        lines = sorted({tg.Version(t.torch.version).release[:2] for t in catalog.targets.values()})
+        print(f"{len(lines)} torch lines: " + ", ".join(f"{a}.{b}" for a, b in lines))
+    return 0
+
+
+def _build_wheels(args: argparse.Namespace, catalog: tg.Catalog) -> int:
+    """`build`: the target, with --arch and --python applied, built natively (or its plan, with --dry-run)."""
+    from .build import build_target
+
+    target = catalog.target(args.target)
+    if args.arch is not None:  # `--arch ''` is a mistake, not "the target's arches"
+        target = variants.with_arches(target, args.arch)
+    if args.python:
+        target = variants.with_python(target, args.python)
+    out = args.out or DIST_WHEELS / target.name
+    build_target(target, out, build_root=args.build_dir, log_dir=args.log_dir, dry_run=args.dry_run)
+    return 0
+
+
+def _audit_wheels(args: argparse.Namespace, catalog: tg.Catalog) -> int:
+    """`audit`: each wheel against the recipe of the target it is named after."""
+    from .audit import audit_wheel
+
+    target = catalog.target(args.target)
+    if args.python:
+        target = variants.with_python(target, args.python)
+    reports = []
+    for wheel in args.wheels:
+        recipe = next((r for r in target.recipes if wheel.name.startswith(r.dist_name + "-")), None)
+        if recipe is None:
+            raise FatalError(f"{wheel.name} is not a wheel of any recipe of {target.name} (its wheels are named "
+                             f"{', '.join(r.dist_name + '-*.whl' for r in target.recipes)}); pass those, or "
+                             "--target the wheel was built for.")
+        reports.append(audit_wheel(wheel, target, recipe).to_dict())
+    print(json.dumps(reports, indent=2) if args.json else "\n".join(f"ok  {w}" for w in args.wheels))
+    return 0
+
+
+def _write_locks(args: argparse.Namespace, catalog: tg.Catalog) -> int:
+    """`lock`: regenerate the lock files, naming each one written."""
+    from .lock import lock_all
+
+    for path in lock_all(catalog, args.only, args.target):
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return 0
+
+
+def _check_import(args: argparse.Namespace, catalog: tg.Catalog) -> int:
+    """`import-check`: the wheel imported in a fresh venv beside its target's torch alone."""
+    from .abicheck import import_check
+
+    target = catalog.target(args.target)
+    if not args.wheel.is_file():
+        raise FatalError(f"{args.wheel}: no such wheel file")
+    seen = import_check(args.wheel.absolute(), target, args.venv / target.name)
+    print(f"ok  {args.wheel.name} imports beside torch {seen['torch']} (CUDA {seen['torch_cuda']}) in "
+          f"{args.venv / target.name}")
+    return 0
+
+
+def _diff_files(args: argparse.Namespace) -> int:
+    """`diff`: how two wheels or ELF files differ; 1 when they do, 0 when they are identical."""
+    from .elfdiff import explain
+
+    for path in (args.a, args.b):
+        if not path.is_file():
+            raise FatalError(f"{path}: no such file")
+    lines = explain(args.a, args.b)
+    print("\n".join(lines) if lines else f"{args.a} and {args.b} are identical")
+    return 1 if lines else 0
+
+
+def _prepare_toolkit() -> int:
+    """`prepare-toolkit`: pip's CUDA layout made a CUDA_HOME, header mtimes clamped, CUDA_HOME printed."""
+    from common.fsutil import source_date_epoch
+    from .toolkit import clamp_mtimes, find_cuda_home, header_roots, pip_cuda_home, prepare_pip_cuda_home
+
+    home = pip_cuda_home()
+    if home:
+        for made in prepare_pip_cuda_home(home):
+            print(f"linked {made}", file=sys.stderr)
+    cuda_home = find_cuda_home()
+    epoch = source_date_epoch()
+    roots = header_roots(cuda_home)
+    changed = clamp_mtimes(roots, epoch)
+    print(f"set the mtime of {changed} headers under {', '.join(map(str, roots))} to {epoch}", file=sys.stderr)
+    print(cuda_home)
+    return 0
+
+
 def main_inner(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "verify":  # needs only the folder, not targets.toml
-        from .manifest import read_manifest, verify_wheels
-
-        problems = verify_wheels(args.dir)
-        if problems:
-            raise FatalError(f"{args.dir}: " + "; ".join(problems))
-        for w in read_manifest(args.dir).wheels:
-            print(f"ok  {w.sha256}  {w.filename}")
-        return 0
+        return _verify_manifest(args)
     if args.command == "index":  # needs only the wheels' manifests
-        from .index import write_index
-
-        record = write_index(args.wheels, args.out)
-        for target in sorted({w["target"] for w in record["wheels"]}):
-            print(f"{target:<24} pip install causal-conv1d --index-url <server>/{target}/simple")
-        print(f"wrote {args.out} ({len(record['wheels'])} wheels); serve it, e.g. "
-              f"`python -m http.server -d {args.out} 8000`")
-        return 0
+        return _write_index(args)
     catalog = tg.load(args.targets_file)
     if args.command == "list":
-        rows = [{"target": t.name, "default": t.name == catalog.default_target, "cuda": str(t.toolkit.cuda),
-                 "toolkit": t.toolkit.kind, "torch": t.torch.version, "torch_index": t.torch.index,
-                 "cxx_standard": t.torch.cxx_standard, "lock": t.torch.lock, "python": t.python,
-                 "arches": [str(a) for a in t.arches], "recipes": [r.key for r in t.recipes],
-                 "description": t.description} for t in catalog.targets.values()]
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        else:
-            for r in rows:
-                star = "*" if r["default"] else " "
-                print(f"{star} {r['target']:<22} CUDA {r['cuda']:<7} torch {r['torch']:<13} py{r['python']:<5} "
-                      f"arches {','.join(r['arches']):<10} {r['description']}")
-            lines = sorted({tg.Version(t.torch.version).release[:2] for t in catalog.targets.values()})
-            print(f"{len(lines)} torch lines: " + ", ".join(f"{a}.{b}" for a, b in lines))
-        return 0
+        return _list_targets(args, catalog)
     if args.command == "build":
-        from .build import build_target
-
-        target = catalog.target(args.target)
-        if args.arch is not None:  # `--arch ''` is a mistake, not "the target's arches"
-            target = variants.with_arches(target, args.arch)
-        if args.python:
-            target = variants.with_python(target, args.python)
-        out = args.out or DIST_WHEELS / target.name
-        build_target(target, out, build_root=args.build_dir, log_dir=args.log_dir, dry_run=args.dry_run)
-        return 0
+        return _build_wheels(args, catalog)
     if args.command == "audit":
-        from .audit import audit_wheel
-
-        target = catalog.target(args.target)
-        if args.python:
-            target = variants.with_python(target, args.python)
-        reports = []
-        for wheel in args.wheels:
-            recipe = next((r for r in target.recipes if wheel.name.startswith(r.dist_name + "-")), None)
-            if recipe is None:
-                raise FatalError(f"{wheel.name} is not a wheel of any recipe of {target.name} (its wheels are named "
-                                 f"{', '.join(r.dist_name + '-*.whl' for r in target.recipes)}); pass those, or "
-                                 "--target the wheel was built for.")
-            reports.append(audit_wheel(wheel, target, recipe).to_dict())
-        print(json.dumps(reports, indent=2) if args.json else "\n".join(f"ok  {w}" for w in args.wheels))
-        return 0
+        return _audit_wheels(args, catalog)
     if args.command == "lock":
-        from .lock import lock_all
-
-        for path in lock_all(catalog, args.only, args.target):
-            print(f"wrote {path.relative_to(REPO_ROOT)}")
-        return 0
+        return _write_locks(args, catalog)
     if args.command == "import-check":
-        from .abicheck import import_check
-
-        target = catalog.target(args.target)
-        if not args.wheel.is_file():
-            raise FatalError(f"{args.wheel}: no such wheel file")
-        seen = import_check(args.wheel.absolute(), target, args.venv / target.name)
-        print(f"ok  {args.wheel.name} imports beside torch {seen['torch']} (CUDA {seen['torch_cuda']}) in "
-              f"{args.venv / target.name}")
-        return 0
+        return _check_import(args, catalog)
     if args.command == "diff":
-        from .elfdiff import explain
-
-        for path in (args.a, args.b):
-            if not path.is_file():
-                raise FatalError(f"{path}: no such file")
-        lines = explain(args.a, args.b)
-        print("\n".join(lines) if lines else f"{args.a} and {args.b} are identical")
-        return 1 if lines else 0
+        return _diff_files(args)
     if args.command == "prepare-toolkit":
-        from common.fsutil import source_date_epoch
-        from .toolkit import clamp_mtimes, find_cuda_home, header_roots, pip_cuda_home, prepare_pip_cuda_home
-
-        home = pip_cuda_home()
-        if home:
-            for made in prepare_pip_cuda_home(home):
-                print(f"linked {made}", file=sys.stderr)
-        cuda_home = find_cuda_home()
-        epoch = source_date_epoch()
-        roots = header_roots(cuda_home)
-        changed = clamp_mtimes(roots, epoch)
-        print(f"set the mtime of {changed} headers under {', '.join(map(str, roots))} to {epoch}", file=sys.stderr)
-        print(cuda_home)
-        return 0
+        return _prepare_toolkit()
     raise AssertionError(args.command)
 
 
