@@ -276,9 +276,10 @@ def load(path: Path | str | None = None) -> Catalog:
         ) from None
 
 
-def _load(path: Path) -> Catalog:
+def _read_toml(path: Path) -> dict:
+    """The parsed targets file; a missing, unreadable or malformed one is a ConfigurationError saying which."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigurationError(f"targets file {path} does not exist.") from None
     except IsADirectoryError:
@@ -290,59 +291,73 @@ def _load(path: Path) -> Catalog:
         raise ConfigurationError(f"{path}: not a UTF-8 text file ({e}); --targets-file takes a TOML file.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigurationError(f"{path}: not valid TOML: {e}.") from None
+
+
+def _load_toolkit(name: str, t: dict) -> ToolkitSpec:
+    """One [toolkits.NAME] table, its kind 'image' or 'pypi'."""
+    where = f"[toolkits.{name}]"
+    _check_keys(t, {"kind", "cuda", "builder_base", "runtime_base", "python", "packages", "image"}, where)
+    kind = _need(t, "kind", where)
+    if kind not in ("image", "pypi"):
+        raise ConfigurationError(f"{where}: kind must be 'image' or 'pypi', not '{kind}'.")
+    return ToolkitSpec(
+        name=name, kind=kind, cuda=_version(_need(t, "cuda", where), where),
+        builder_base=_need(t, "builder_base", where), runtime_base=_need(t, "runtime_base", where),
+        python=_need(t, "python", where), packages=tuple(t.get("packages", ())),
+        image=_toolkit_image(t, kind, where),
+    )
+
+
+def _load_torch(name: str, t: dict) -> TorchPin:
+    """One [torch.NAME] table."""
+    where = f"[torch.{name}]"
+    _check_keys(t, {"version", "cuda", "index", "lock", "cxx_standard"}, where)
+    return TorchPin(
+        name=name, version=_need(t, "version", where),
+        cuda=_version(_need(t, "cuda", where), where), index=_need(t, "index", where),
+        lock=_need(t, "lock", where), cxx_standard=_cxx_standard(t, where),
+    )
+
+
+def _load_target(name: str, t: dict, toolkits: dict[str, ToolkitSpec], torches: dict[str, TorchPin],
+                 recipes: dict[str, Recipe], source: str) -> Target:
+    """One [targets.NAME] table: its toolkit, torch and recipes defined, its arches ones that toolkit compiles."""
+    where = f"[targets.{name}]"
+    _check_keys(t, {"description", "toolkit", "torch", "arches", "recipes"}, where)
+    tk_name, torch_name = _need(t, "toolkit", where), _need(t, "torch", where)
+    if tk_name not in toolkits:
+        raise ConfigurationError(f"{where}: toolkit '{tk_name}' is not defined." + did_you_mean(tk_name, toolkits))
+    if torch_name not in torches:
+        raise ConfigurationError(f"{where}: torch '{torch_name}' is not defined." + did_you_mean(torch_name, torches))
+    toolkit, torch = toolkits[tk_name], torches[torch_name]
+    arches = tuple(Arch.parse(a) for a in _need(t, "arches", where))
+    if not arches:
+        raise ConfigurationError(f"{where}: arches is empty; name at least one (e.g. \"12.0\").")
+    check_unique_arches(arches, where)
+    check_arches_compilable(arches, toolkit.cuda, where)
+    if toolkit.cuda.major != torch.cuda.major:
+        raise ConfigurationError(
+            f"{where}: toolkit CUDA {toolkit.cuda} and torch {torch.version} (CUDA {torch.cuda}) differ in "
+            "major version; torch.utils.cpp_extension refuses that. Pair a toolkit and a torch of one CUDA major."
+        )
+    missing = [r for r in _need(t, "recipes", where) if r not in recipes]
+    if missing:
+        raise ConfigurationError(f"{where}: recipe '{missing[0]}' is not defined." + did_you_mean(missing[0], recipes))
+    return Target(
+        name=name, description=t.get("description", ""), toolkit=toolkit, torch=torch,
+        arches=arches, recipes=tuple(recipes[r] for r in t["recipes"]), source=source,
+    )
+
+
+def _load(path: Path) -> Catalog:
+    data = _read_toml(path)
     _check_keys(data, {"default_target", "toolkits", "torch", "targets", "recipes"}, "top level")
 
-    toolkits = {}
-    for name, t in data.get("toolkits", {}).items():
-        where = f"[toolkits.{name}]"
-        _check_keys(t, {"kind", "cuda", "builder_base", "runtime_base", "python", "packages", "image"}, where)
-        kind = _need(t, "kind", where)
-        if kind not in ("image", "pypi"):
-            raise ConfigurationError(f"{where}: kind must be 'image' or 'pypi', not '{kind}'.")
-        toolkits[name] = ToolkitSpec(
-            name=name, kind=kind, cuda=_version(_need(t, "cuda", where), where),
-            builder_base=_need(t, "builder_base", where), runtime_base=_need(t, "runtime_base", where),
-            python=_need(t, "python", where), packages=tuple(t.get("packages", ())),
-            image=_toolkit_image(t, kind, where),
-        )
-    torches = {}
-    for name, t in data.get("torch", {}).items():
-        where = f"[torch.{name}]"
-        _check_keys(t, {"version", "cuda", "index", "lock", "cxx_standard"}, where)
-        torches[name] = TorchPin(
-            name=name, version=_need(t, "version", where),
-            cuda=_version(_need(t, "cuda", where), where), index=_need(t, "index", where),
-            lock=_need(t, "lock", where), cxx_standard=_cxx_standard(t, where),
-        )
+    toolkits = {name: _load_toolkit(name, t) for name, t in data.get("toolkits", {}).items()}
+    torches = {name: _load_torch(name, t) for name, t in data.get("torch", {}).items()}
     recipes = {key: _load_recipe(key, t, str(path)) for key, t in data.get("recipes", {}).items()}
-
-    targets = {}
-    for name, t in data.get("targets", {}).items():
-        where = f"[targets.{name}]"
-        _check_keys(t, {"description", "toolkit", "torch", "arches", "recipes"}, where)
-        tk_name, torch_name = _need(t, "toolkit", where), _need(t, "torch", where)
-        if tk_name not in toolkits:
-            raise ConfigurationError(f"{where}: toolkit '{tk_name}' is not defined." + did_you_mean(tk_name, toolkits))
-        if torch_name not in torches:
-            raise ConfigurationError(f"{where}: torch '{torch_name}' is not defined." + did_you_mean(torch_name, torches))
-        toolkit, torch = toolkits[tk_name], torches[torch_name]
-        arches = tuple(Arch.parse(a) for a in _need(t, "arches", where))
-        if not arches:
-            raise ConfigurationError(f"{where}: arches is empty; name at least one (e.g. \"12.0\").")
-        check_unique_arches(arches, where)
-        check_arches_compilable(arches, toolkit.cuda, where)
-        if toolkit.cuda.major != torch.cuda.major:
-            raise ConfigurationError(
-                f"{where}: toolkit CUDA {toolkit.cuda} and torch {torch.version} (CUDA {torch.cuda}) differ in "
-                "major version; torch.utils.cpp_extension refuses that. Pair a toolkit and a torch of one CUDA major."
-            )
-        missing = [r for r in _need(t, "recipes", where) if r not in recipes]
-        if missing:
-            raise ConfigurationError(f"{where}: recipe '{missing[0]}' is not defined." + did_you_mean(missing[0], recipes))
-        targets[name] = Target(
-            name=name, description=t.get("description", ""), toolkit=toolkit, torch=torch,
-            arches=arches, recipes=tuple(recipes[r] for r in t["recipes"]), source=str(path),
-        )
+    targets = {name: _load_target(name, t, toolkits, torches, recipes, str(path))
+               for name, t in data.get("targets", {}).items()}
     default = _need(data, "default_target", "top level")
     catalog = Catalog(path=path, default_target=default, targets=targets)
     catalog.target(default)  # the default must exist
