@@ -54,7 +54,7 @@ from common.fsutil import atomic_write
 from dflash.errors import DrafterError
 from dflash.io.config_keys import DFLASH_KEYS, unsupported_keys
 from dflash.io.config_values import as_float as _float, as_int as _int, as_int_list as _int_list, as_mapping as _mapping
-from dflash.kinds import DFLASH, KINDS, build_drafter, by_architecture, kind_of
+from dflash.kinds import DFLASH, KINDS, DrafterKind, build_drafter, by_architecture, kind_of
 from dflash.model.drafter import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig
 # the file names and dtype tables live beside the tensor checks; other modules read them from here too
 from dflash.io.drafter_tensors import CONFIG_NAME, DTYPE_NAMES, DTYPES, WEIGHTS_NAME, expected_tensors  # noqa: F401
@@ -193,9 +193,8 @@ def _layer_types(data: dict, n_layers: int, where: Path) -> tuple[list[str], int
     return types, window
 
 
-def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> DrafterConfig:
-    """DrafterConfig of a reference-layout config.json, or a DrafterError naming what is wrong."""
-    where = Path(where)
+def _drafter_kind(data: dict, where: Path) -> DrafterKind:
+    """The drafter kind config.json's architectures name, once it is a reference-layout drafter's config."""
     if data.get("format") == LEGACY_FORMAT:
         raise DrafterError(
             f"{where} is an older drafter of this project ({LEGACY_FORMAT}), which serving engines cannot read; "
@@ -214,6 +213,11 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
             f"drafter model by this name, and other DFlash variants ({named}) "
             f"compute something else. This project reads {' and '.join(k.architecture for k in KINDS.values())} "
             "drafters only")
+    return kind
+
+
+def _dflash_config(data: dict, kind: DrafterKind, where: Path) -> dict:
+    """config.json's dflash_config, once every required key is present and none that `kind` does not implement."""
     dflash = data.get("dflash_config")
     if not isinstance(dflash, dict):
         raise DrafterError(
@@ -231,6 +235,11 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
         raise DrafterError(f"{where} uses {'; '.join(unsupported)}. This project's drafter does not implement "
                            "that, so it would compute other outputs than the engines do; it reads DFlashDraftModel "
                            f"drafters with dflash_config keys {sorted(DFLASH_KEYS)} and the Qwen3 keys only")
+    return dflash
+
+
+def _target_layer_ids(data: dict, dflash: dict, where: Path) -> list[int]:
+    """dflash_config.target_layer_ids; an eagle_aux_hidden_state_layer_ids beside them must name the same taps."""
     ids = _int_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids", where)
     eagle_ids = data.get("eagle_aux_hidden_state_layer_ids")
     eagle = "eagle_aux_hidden_state_layer_ids"
@@ -238,7 +247,11 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
         # vLLM eagle3_utils.py prefers this key as-is over dflash_config.target_layer_ids (+1).
         raise DrafterError(f"{where}: eagle_aux_hidden_state_layer_ids {eagle_ids} disagrees with target_layer_ids "
                            f"{ids} (vLLM would tap {eagle_ids}, this project {[i + 1 for i in ids]}); remove the key")
+    return ids
 
+
+def _config_values(data: dict, dflash: dict, ids: list[int], kind: DrafterKind, where: Path) -> dict:
+    """The DrafterConfig fields of config.json, each typed and range-checked, defaults where a key is absent."""
     def size(key: str, value=None, minimum: int = 1) -> int:
         return _int(data[key] if value is None else value, key, where, minimum)
 
@@ -256,7 +269,7 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
     heads = size("num_attention_heads")
     hidden = size("hidden_size")
     layer_types, window = _layer_types(data, n_layers, where)
-    values = dict(
+    return dict(
         hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads,
         num_key_value_heads=size("num_key_value_heads", given("num_key_value_heads", heads)),
         head_dim=size("head_dim", given("head_dim", max(1, hidden // heads))),
@@ -273,6 +286,15 @@ def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> Draft
         target_fingerprint=str(data.get("target_fingerprint") or ""),
         **kind.read_keys(dflash, where),
     )
+
+
+def parse_reference_config(data: dict, where: Path | str = CONFIG_NAME) -> DrafterConfig:
+    """DrafterConfig of a reference-layout config.json, or a DrafterError naming what is wrong."""
+    where = Path(where)
+    kind = _drafter_kind(data, where)
+    dflash = _dflash_config(data, kind, where)
+    ids = _target_layer_ids(data, dflash, where)
+    values = _config_values(data, dflash, ids, kind, where)
     try:  # DrafterConfig's own checks: head counts, layer ids, mask id, layer_types (each value is typed above)
         return kind.config_class(**values)
     except ValueError as exc:
