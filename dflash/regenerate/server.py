@@ -208,6 +208,49 @@ class _SignalStop:
             signal.signal(sig, previous)
 
 
+def _check_client_options(client: ChatClient, concurrency: int) -> None:
+    """Refuse a concurrency, token limit, retry count, timeout or temperature out of range, naming its flag."""
+    if concurrency < 1 or client.retries < 0 or client.timeout <= 0 or client.max_tokens < 1:
+        raise ConfigError(f"--concurrency ({concurrency}) and --max-new-tokens ({client.max_tokens}) must be "
+                          f">= 1, --retries ({client.retries}) >= 0 and --timeout ({client.timeout}) > 0.")
+    if client.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {client.temperature}.")
+
+
+def _finished_conversations(pool: ThreadPoolExecutor, client: ChatClient, todo: list[Item], concurrency: int):
+    """(item, future) of each conversation of `todo` as it finishes, at most `concurrency` in flight; none
+    is submitted once client.stop is set."""
+    queue, pending = iter(todo), {}
+    while True:
+        while not client.stop.is_set() and len(pending) < concurrency:
+            item = next(queue, None)
+            if item is None:
+                break
+            pending[pool.submit(answer_conversation, client, item.messages)] = item
+        if not pending:
+            break
+        finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+        for future in finished:
+            yield pending.pop(future), future
+
+
+def _record_failure(summary: RunSummary, errors: JsonlAppender, item: Item, exc: RequestFailed) -> None:
+    """Count a conversation that failed after its retries, and write its line to the errors file."""
+    summary.failed += 1
+    summary.requests += exc.attempts
+    summary.reasons[exc.reason.split(":")[0]] += 1
+    errors.write({"id": item.key, "line": item.line, "error": exc.reason, "attempts": exc.attempts})
+
+
+def _record_written(summary: RunSummary, writer: JsonlAppender, item: Item, messages: list[dict], n_cut: int,
+                    n_requests: int) -> None:
+    """Append an answered conversation to the output, and count it."""
+    writer.write({"id": item.key, **jsonl_record(messages)})
+    summary.written += 1
+    summary.requests += n_requests
+    summary.cut += n_cut
+
+
 def regenerate_via_server(client: ChatClient, data, out, *, concurrency: int = 32, resume: bool = False,
                           on_bad_line: str = "skip", max_failures_in_a_row: int = 50,
                           progress: bool = True) -> RunSummary:
@@ -215,11 +258,7 @@ def regenerate_via_server(client: ChatClient, data, out, *, concurrency: int = 3
     completes (module docstring). Returns the summary; its exit_code is 0 only if every one was written."""
     from tqdm.auto import tqdm
 
-    if concurrency < 1 or client.retries < 0 or client.timeout <= 0 or client.max_tokens < 1:
-        raise ConfigError(f"--concurrency ({concurrency}) and --max-new-tokens ({client.max_tokens}) must be "
-                          f">= 1, --retries ({client.retries}) >= 0 and --timeout ({client.timeout}) > 0.")
-    if client.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {client.temperature}.")
+    _check_client_options(client, concurrency)
     out = Path(out)
     if out.exists() and not resume:
         raise ConfigError(f"{out} exists; pass --resume to add only the conversations it lacks, or pick "
@@ -241,43 +280,25 @@ def regenerate_via_server(client: ChatClient, data, out, *, concurrency: int = 3
         start, in_a_row = time.monotonic(), 0
         bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress, dynamic_ncols=True)
         with _SignalStop(client.stop, summary), ThreadPoolExecutor(concurrency) as pool:
-            queue, pending = iter(todo), {}
-            while True:
-                while not client.stop.is_set() and len(pending) < concurrency:
-                    item = next(queue, None)
-                    if item is None:
-                        break
-                    pending[pool.submit(answer_conversation, client, item.messages)] = item
-                if not pending:
-                    break
-                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    item = pending.pop(future)
-                    try:
-                        messages, n_cut, n_requests = future.result()
-                    except Stopped:
-                        continue
-                    except RequestFailed as exc:
-                        summary.failed += 1
-                        summary.requests += exc.attempts
-                        summary.reasons[exc.reason.split(":")[0]] += 1
-                        errors = errors or JsonlAppender(errors_file)
-                        errors.write({"id": item.key, "line": item.line, "error": exc.reason,
-                                      "attempts": exc.attempts})
-                        in_a_row += 1
-                        if max_failures_in_a_row and in_a_row >= max_failures_in_a_row and not client.stop.is_set():
-                            summary.stopped_by = f"{in_a_row} failures in a row"
-                            log.error("%d conversations in a row failed (last: %s): stopping; is the server up?",
-                                      in_a_row, exc.reason)
-                            client.stop.set()
-                    else:
-                        writer.write({"id": item.key, **jsonl_record(messages)})
-                        summary.written += 1
-                        summary.requests += n_requests
-                        summary.cut += n_cut
-                        in_a_row = 0
-                    bar.update(1)
-                    bar.set_postfix(failed=summary.failed, refresh=False)
+            for item, future in _finished_conversations(pool, client, todo, concurrency):
+                try:
+                    messages, n_cut, n_requests = future.result()
+                except Stopped:
+                    continue
+                except RequestFailed as exc:
+                    errors = errors or JsonlAppender(errors_file)
+                    _record_failure(summary, errors, item, exc)
+                    in_a_row += 1
+                    if max_failures_in_a_row and in_a_row >= max_failures_in_a_row and not client.stop.is_set():
+                        summary.stopped_by = f"{in_a_row} failures in a row"
+                        log.error("%d conversations in a row failed (last: %s): stopping; is the server up?",
+                                  in_a_row, exc.reason)
+                        client.stop.set()
+                else:
+                    _record_written(summary, writer, item, messages, n_cut, n_requests)
+                    in_a_row = 0
+                bar.update(1)
+                bar.set_postfix(failed=summary.failed, refresh=False)
         bar.close()
         summary.seconds = time.monotonic() - start
     finally:
