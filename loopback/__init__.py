@@ -1,8 +1,10 @@
 """Real servers on 127.0.0.1 for the tests and the benchmarks, all thrown away afterwards; development only
 (never copied into an image: the Dockerfile takes common, wheelbuilder, images and dflash).
 
-    sshd.start(workdir, env)        OpenSSH's sshd on a free port with throwaway host and user keys, SFTP;
-                                    `env` becomes SetEnv lines of every login
+    sshd.start(workdir, env, config)
+                                    OpenSSH's sshd on a free port with throwaway host and user keys, SFTP;
+                                    `env` becomes SetEnv lines of every login, `config` more sshd_config
+                                    lines (AllowUsers, ForceCommand: a server that misbehaves)
     registry.start(workdir)         Debian's docker-registry with TLS (a CA made here) and htpasswd (bcrypt)
     engine.start(root, namespace)   a second, empty dockerd (no bridge, its own data root and containerd
                                     namespace) on ROOT/docker.sock: "the GPU box" an image travels to

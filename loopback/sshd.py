@@ -63,9 +63,10 @@ def available() -> str | None:
     return None
 
 
-def start(workdir: Path, env: dict[str, str] | None = None) -> LoopbackSshd:
+def start(workdir: Path, env: dict[str, str] | None = None, config: str = "") -> LoopbackSshd:
     """sshd on a free loopback port, accepting only a user key generated in `workdir`; `env` becomes SetEnv
-    lines of every login (PATH defaults to LOGIN_PATH)."""
+    lines of every login (PATH defaults to LOGIN_PATH); `config` is appended to sshd_config as it is
+    (AllowUsers, ForceCommand, a Match block: the misbehaving servers of the fault tests)."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name in ("host_key", "user_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / name)], check=True)
@@ -80,7 +81,7 @@ def start(workdir: Path, env: dict[str, str] | None = None) -> LoopbackSshd:
         f"AuthorizedKeysFile {workdir}/authorized_keys\nPidFile {workdir}/sshd.pid\n"
         "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
         "UsePAM no\nStrictModes no\nSubsystem sftp internal-sftp\n"
-        f"SetEnv {setenv}\n"
+        f"SetEnv {setenv}\n" + config
     )
     host_pub = (workdir / "host_key.pub").read_text().split()
     (workdir / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
