@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from common.fsutil import sha256_file
-from images import export, transfer
+from images import export, ssh, transfer
 from loopback import sshd
 from loopback.demo_image import demo_image
 
@@ -28,8 +28,8 @@ def upload(server, payload: Path, dest: Path, compress: bool) -> tuple[float, fl
     """Seconds and MB/s of one fresh upload (the destination is emptied first)."""
     for old in dest.glob("*"):
         old.unlink()
-    with transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
-                          known_hosts=str(server.known_hosts), compress=compress) as host:
+    with ssh.SshHost(server.target, port=server.port, identity=str(server.identity),
+                     known_hosts=str(server.known_hosts), compress=compress) as host:
         digest = sha256_file(payload)
         t0 = time.monotonic()
         transfer.send_file(host, payload, str(dest), sha256=digest, progress=False)

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import export, proxmox, records, registry, transfer
-from .errors import HostError, PushError, RegistryError
+from . import export, proxmox, records, registry, ssh, transfer
+from .errors import HostError, PushError, RegistryError, TransferError
 from .imageinfo import ImageInfo, image_cuda, inspect_image
 
 EXTENSIONS = {"oci": ".oci.tar", "template": ".tar.zst"}
@@ -68,12 +68,12 @@ def say(msg: str) -> None:
 
 def push(o: PushOptions) -> PushReport:
     proxmox.check_ctid(o.ctid)  # what is wrong in the options themselves: refused before any connection
-    transfer.parse_target(o.host)
+    ssh.parse_target(o.host)
     report = PushReport()
     ref = registry.parse_reference(o.from_registry) if o.from_registry else None
     info, layers = registry_image(ref, o.ca_cert) if ref else (inspect_image(o.image), [])
-    with transfer.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
-                          accept_new_host_key=o.accept_new_host_key, compress=o.compress) as host:
+    with ssh.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
+                     accept_new_host_key=o.accept_new_host_key, compress=o.compress) as host:
         facts = proxmox.gather_facts(host, o.plan.get("gpus", "all"))
         if ref:
             if facts.pve < proxmox.PULL_MIN_PVE:
@@ -173,7 +173,7 @@ def registry_image(ref: registry.Reference, ca_cert: str | None) -> tuple[ImageI
         list((whole.get("rootfs") or {}).get("diff_ids") or [])
 
 
-def _pull(host: transfer.SshHost, ref: registry.Reference, layers: list[str], plan: proxmox.ContainerPlan,
+def _pull(host: ssh.SshHost, ref: registry.Reference, layers: list[str], plan: proxmox.ContainerPlan,
           template_dir: str, dry_run: bool, report: PushReport) -> None:
     """The host pulls `ref` into its template storage, unless the file of this very image is there."""
     path = f"{template_dir}/{plan.template}"
@@ -204,7 +204,7 @@ def _pull(host: transfer.SshHost, ref: registry.Reference, layers: list[str], pl
     try:
         manifest = member(f"blobs/{member('index.json')['manifests'][0]['digest'].replace(':', '/')}")
         arrived = member(f"blobs/{manifest['config']['digest'].replace(':', '/')}")["rootfs"]["diff_ids"]
-    except (ValueError, KeyError, IndexError, transfer.TransferError) as e:
+    except (ValueError, KeyError, IndexError, TransferError) as e:
         raise HostError(f"{host.hostname}:{path} is not a readable OCI archive ({e}). Delete it and push again.") from None
     if arrived != layers:
         raise HostError(f"{host.hostname}:{path} holds other layers than {ref} has now ({len(arrived)} vs "
@@ -248,7 +248,7 @@ def _size(record: dict) -> str:
     return f"{record['size'] / 1e6:.1f} MB" if record else "size after export"
 
 
-def _run(host: transfer.SshHost, argv: list[str], dry_run: bool, report: PushReport, check: bool = True):
+def _run(host: ssh.SshHost, argv: list[str], dry_run: bool, report: PushReport, check: bool = True):
     cmd = shlex.join(argv)
     say(f"+ ssh {host.user}@{host.hostname} {cmd}")
     report.step("run", command=cmd, dry_run=dry_run)
@@ -307,14 +307,14 @@ def register(subparsers) -> None:
     p.add_argument("--format", choices=("auto", "oci", "template"), default="auto",
                    help="auto: OCI archive on PVE >= 9.1, rootfs template otherwise")
     p.add_argument("--out-dir", default=str(export.DEFAULT_OUT), help="where exports are written and reused")
-    ssh = p.add_argument_group("ssh")
-    ssh.add_argument("--port", type=int, default=22)
-    ssh.add_argument("--identity", help="private key file (default: agent and ~/.ssh keys)")
-    ssh.add_argument("--known-hosts", help="known_hosts file (default: ~/.ssh/known_hosts and the system one)")
-    ssh.add_argument("--accept-new-host-key", action="store_true",
-                     help="trust and record an unknown host key (a changed key is still refused)")
-    ssh.add_argument("--compress", action="store_true", help="SSH compression (helps on slow links only)")
-    ssh.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
+    conn = p.add_argument_group("ssh")
+    conn.add_argument("--port", type=int, default=22)
+    conn.add_argument("--identity", help="private key file (default: agent and ~/.ssh keys)")
+    conn.add_argument("--known-hosts", help="known_hosts file (default: ~/.ssh/known_hosts and the system one)")
+    conn.add_argument("--accept-new-host-key", action="store_true",
+                      help="trust and record an unknown host key (a changed key is still refused)")
+    conn.add_argument("--compress", action="store_true", help="SSH compression (helps on slow links only)")
+    conn.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
     pull = p.add_argument_group("registry (PVE >= 9.1)")
     pull.add_argument("--from-registry", metavar="REF",
                       help="host/namespace/name:tag the host pulls itself (oci-registry-pull) instead of an upload")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from common.fsutil import atomic_write, sha256_file
 
-from . import export, transfer
+from . import export, ssh, transfer
 from .errors import ExportError, PushError, TransferError
 from .imageinfo import ImageInfo, inspect_image
 
@@ -102,12 +102,12 @@ def save_compressed(info: ImageInfo, out_dir: Path, progress: bool = True, name:
     return artifact, record
 
 
-def remote_image_id(host: transfer.SshHost, ref: str) -> str | None:
+def remote_image_id(host: ssh.SshHost, ref: str) -> str | None:
     r = host.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref], check=False)
     return r.stdout.strip() if r.rc == 0 else None
 
 
-def check_host(host: transfer.SshHost) -> str:
+def check_host(host: ssh.SshHost) -> str:
     """The host's Docker server version; TransferError naming the fix when docker or zstd is missing."""
     r = host.run(["docker", "version", "--format", "{{.Server.Version}}"], check=False)
     if r.rc != 0:
@@ -121,7 +121,7 @@ def check_host(host: transfer.SshHost) -> str:
 
 
 def push_docker(o: PushDockerOptions) -> PushDockerReport:
-    transfer.parse_target(o.host)  # a malformed --host is refused before anything else
+    ssh.parse_target(o.host)  # a malformed --host is refused before anything else
     try:
         info = inspect_image(o.image)
     except ExportError:
@@ -129,8 +129,8 @@ def push_docker(o: PushDockerOptions) -> PushDockerReport:
                           f"first: make image TARGET={o.image.rsplit(':', 1)[-1]}") from None
     tag = o.image  # the name it gets on the host (docker save records it)
     report = PushDockerReport(info.id)
-    with transfer.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
-                          accept_new_host_key=o.accept_new_host_key) as host:
+    with ssh.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
+                     accept_new_host_key=o.accept_new_host_key) as host:
         version = check_host(host)
         say(f"host {host.hostname}: Docker {version}")
         if remote_image_id(host, info.id) == info.id:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from images import transfer
+from images import ssh, transfer
 from images.errors import HostKeyError, TransferError
 from loopback import sshd
 
@@ -31,7 +31,7 @@ def server(tmp_path_factory):
 
 
 def connect(server, **kw):
-    return transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
+    return ssh.SshHost(server.target, port=server.port, identity=str(server.identity),
                             known_hosts=str(server.known_hosts), **kw)
 
 
@@ -139,8 +139,8 @@ def test_unknown_host_key_is_refused_unless_accepted(server, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
     with pytest.raises(HostKeyError, match="not in .*--accept-new-host-key"):
-        transfer.SshHost(server.target, port=server.port, identity=str(server.identity), known_hosts=str(empty))
-    with transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
+        ssh.SshHost(server.target, port=server.port, identity=str(server.identity), known_hosts=str(empty))
+    with ssh.SshHost(server.target, port=server.port, identity=str(server.identity),
                           known_hosts=str(empty), accept_new_host_key=True) as host:
         assert host.run(["true"]).rc == 0
     assert f"[127.0.0.1]:{server.port}" in empty.read_text()
@@ -152,7 +152,7 @@ def test_changed_host_key_is_refused_even_with_accept_new(server, tmp_path):
     wrong = tmp_path / "known_hosts"
     wrong.write_text(f"[127.0.0.1]:{server.port} {kind} {key}\n")
     with pytest.raises(HostKeyError, match="does not match"):
-        transfer.SshHost(server.target, port=server.port, identity=str(server.identity),
+        ssh.SshHost(server.target, port=server.port, identity=str(server.identity),
                          known_hosts=str(wrong), accept_new_host_key=True)
 
 
