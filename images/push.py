@@ -48,6 +48,8 @@ class PushOptions:
     doctor: str = "dflash doctor"
     pve_config_dir: str = "/etc/pve/lxc"
     bwlimit_mb_s: float | None = None  # upload cap, MB/s (10**6 bytes per second)
+    ssh_timeout_s: float = ssh.SSH_TIMEOUT  # the longest the host may stay silent (images/ssh.py)
+    command_timeout_s: float = ssh.COMMAND_TIMEOUT  # the longest one command may run on the host
     from_registry: str | None = None  # host/namespace/name:tag the host pulls itself (PVE >= 9.1)
     ca_cert: str | None = None  # the registry's CA, for reading the image's config from here
     plan: dict = field(default_factory=dict)  # ContainerPlan fields other than ctid/template/fmt
@@ -73,7 +75,8 @@ def push(o: PushOptions) -> PushReport:
     ref = registry.parse_reference(o.from_registry) if o.from_registry else None
     info, layers = registry_image(ref, o.ca_cert) if ref else (inspect_image(o.image), [])
     with ssh.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
-                     accept_new_host_key=o.accept_new_host_key, compress=o.compress) as host:
+                     accept_new_host_key=o.accept_new_host_key, compress=o.compress, ssh_timeout=o.ssh_timeout_s,
+                     command_timeout=o.command_timeout_s) as host:
         facts = proxmox.gather_facts(host, o.plan.get("gpus", "all"))
         if ref:
             if facts.pve < proxmox.PULL_MIN_PVE:
@@ -273,6 +276,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
                        accept_new_host_key=args.accept_new_host_key, compress=args.compress, force=args.force,
                        dry_run=args.dry_run, start=not args.no_start, doctor=args.doctor,
                        pve_config_dir=args.pve_config_dir, bwlimit_mb_s=args.bwlimit,
+                       ssh_timeout_s=args.ssh_timeout, command_timeout_s=args.command_timeout,
                        from_registry=args.from_registry, ca_cert=args.ca_cert, plan=plan)
     report = push(opts)
     if args.json:
@@ -315,6 +319,7 @@ def register(subparsers) -> None:
                       help="trust and record an unknown host key (a changed key is still refused)")
     conn.add_argument("--compress", action="store_true", help="SSH compression (helps on slow links only)")
     conn.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
+    ssh.add_timeout_arguments(conn)
     pull = p.add_argument_group("registry (PVE >= 9.1)")
     pull.add_argument("--from-registry", metavar="REF",
                       help="host/namespace/name:tag the host pulls itself (oci-registry-pull) instead of an upload")

@@ -48,6 +48,8 @@ class PushDockerOptions:
     known_hosts: str | None = None
     accept_new_host_key: bool = False
     bwlimit_mb_s: float | None = None
+    ssh_timeout_s: float = ssh.SSH_TIMEOUT  # the longest the host may stay silent (images/ssh.py)
+    command_timeout_s: float = ssh.COMMAND_TIMEOUT  # the longest one command (docker load) may run there
     doctor: str = "doctor --quick"
     keep_file: bool = False
     progress: bool = True
@@ -130,7 +132,8 @@ def push_docker(o: PushDockerOptions) -> PushDockerReport:
     tag = o.image  # the name it gets on the host (docker save records it)
     report = PushDockerReport(info.id)
     with ssh.SshHost(o.host, port=o.port, identity=o.identity, known_hosts=o.known_hosts,
-                     accept_new_host_key=o.accept_new_host_key) as host:
+                     accept_new_host_key=o.accept_new_host_key, ssh_timeout=o.ssh_timeout_s,
+                     command_timeout=o.command_timeout_s) as host:
         version = check_host(host)
         say(f"host {host.hostname}: Docker {version}")
         if remote_image_id(host, info.id) == info.id:
@@ -183,7 +186,8 @@ def _cmd(args: argparse.Namespace) -> int:
     report = push_docker(PushDockerOptions(
         host=args.host, image=export.image_from_args(args), out_dir=Path(args.out_dir), remote_dir=args.remote_dir,
         port=args.port, identity=args.identity, known_hosts=args.known_hosts,
-        accept_new_host_key=args.accept_new_host_key, bwlimit_mb_s=args.bwlimit, doctor=args.doctor,
+        accept_new_host_key=args.accept_new_host_key, bwlimit_mb_s=args.bwlimit, ssh_timeout_s=args.ssh_timeout,
+        command_timeout_s=args.command_timeout, doctor=args.doctor,
         keep_file=args.keep_file, progress=not args.json))
     if args.json:
         print(json.dumps(asdict(report), indent=2))
@@ -202,6 +206,7 @@ def register(subparsers) -> None:
     p.add_argument("--known-hosts", help="known_hosts file (default: ~/.ssh/known_hosts and the system one)")
     p.add_argument("--accept-new-host-key", action="store_true", help="trust and record an unknown host key")
     p.add_argument("--bwlimit", type=float, help="upload cap in MB/s (10**6 bytes per second)")
+    ssh.add_timeout_arguments(p)
     p.add_argument("--doctor", default="doctor --quick", help="command run in the image on the host ('' to skip)")
     p.add_argument("--keep-file", action="store_true", help="keep the file on the host after loading it")
     p.add_argument("--json", action="store_true", help="print the report as JSON at the end")
