@@ -3,9 +3,9 @@
 The connection, its limits in time and its failures are images/ssh.py's; this is the upload protocol.
 On the host, for a file NAME in DIR:
 
-    DIR/.NAME.partial   grows while sending; kept when the client dies or the connection drops or stalls,
-                        so the next run appends to it (after checking that its bytes are a prefix of the
-                        local file)
+    DIR/.NAME.partial   grows while sending; kept when the client dies, the connection drops or stalls, or
+                        the host's disk fills, so the next run appends to it (after checking that its bytes
+                        are a prefix of the local file)
     DIR/NAME            appears only by `rename(.NAME.partial, NAME)` after `sha256sum` on the host
                         matched: a half-written or corrupt file never carries the real name
 """
@@ -152,6 +152,7 @@ def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
     silent for --ssh-timeout between two writes it takes (its window stays shut while it stalls)."""
     t0 = time.monotonic()
     sent = 0
+    dst = refused = None
 
     def stalled() -> str:
         return host.stopped_answering(f"sending {local.name} ({_size(offset + sent)} of {_size(size)} sent)",
@@ -172,12 +173,21 @@ def _upload(host: SshHost, local: Path, partial: str, offset: int, size: int,
                     if bwlimit_mb_s:
                         _pace(sent / (bwlimit_mb_s * 1e6), t0, dog)
             dst.close()  # waits until the host has acknowledged every pipelined write
+        except OSError as e:
+            if dog.fired or not host.connected:
+                host.abort()
+                raise
+            if dst is not None:  # the host answered, with a refusal (its disk is full?): the connection stays usable
+                _drain(dst)
+            refused = e
         except BaseException:
             # Interrupted (Ctrl-C, SIGTERM) or failed mid-write: the connection may hold half a request, and
             # closing the file politely would wait for acknowledgements that never come (or fail and hide the
             # interruption). Drop the connection: the host's SFTP server ends, keeping what it has written.
             host.abort()
             raise
+    if refused is not None:
+        raise _write_refused(host, local, partial, size, refused)
 
 
 def _pace(due: float, t0: float, dog: Watchdog) -> None:
@@ -187,10 +197,39 @@ def _pace(due: float, t0: float, dog: Watchdog) -> None:
         dog.progress()
 
 
+def _drain(dst) -> None:
+    """Close a pipelined SFTP file after the host refused a write. Each close() reads the replies still due
+    and raises at the next refusal among them; once all are read it closes the handle, and the SFTP session
+    can serve the requests that say what happened."""
+    for _ in range(100_000):  # more than the writes one upload can have in flight
+        try:
+            dst.close()
+            return
+        except OSError:
+            continue
+
+
+def _write_refused(host: SshHost, local: Path, partial: str, size: int, error: OSError) -> TransferError:
+    """The host refused a write mid-upload. OpenSSH's sftp-server answers a full disk with a bare 'Failure'
+    (SSH_FX_FAILURE: it maps only a few errno values), so the free space there tells what it was."""
+    directory = partial.rsplit("/", 1)[0] or "/"
+    free = remote_free_bytes(host, directory)
+    arrived = remote_size(host, partial) or 0
+    keep = (f"The host keeps what arrived in {partial}: run the same command again once there is room and the "
+            "upload resumes from there (or delete it and choose another storage).")
+    if free < size - arrived:
+        return TransferError(
+            f"{host.hostname}:{directory} ran out of space while receiving {local.name}: {_size(arrived)} of "
+            f"{_size(size)} arrived, {_size(free)} are free there and {_size(size - arrived)} more are needed "
+            f"(the space was there when the upload began: something else wrote there meanwhile). Free space there (df -h {directory}). {keep}")
+    return TransferError(f"{host.hostname}:{directory} refused a write to {partial} ({error or type(error).__name__}) "
+                         f"with {_size(free)} free there (a quota, a read-only or failing disk?). {keep}")
+
+
 def main_send(argv: list[str] | None = None) -> int:
     """`python -m images.transfer HOST FILE DIR [...]`: one upload (used by tests to kill a client).
     Errors print their message and exit with their code (images/errors.py): 10 transfer (refused, stalled,
-    timed out), 11 host key;
+    timed out, a full disk), 11 host key;
     Ctrl-C 130, SIGTERM 143 (the host keeps .NAME.partial, the next run resumes it)."""
     from common.cli import run_cli
 

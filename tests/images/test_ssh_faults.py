@@ -7,6 +7,7 @@ stays as .NAME.partial (never the real name), and neither a thread here nor a co
     the loopback sshd stopped (SIGSTOP) mid-upload: the TCP connection stays open, nothing answers
     the loopback sshd whose `sha256sum` or `pct create` never returns (a script first on the login PATH);
     one whose ForceCommand never ends (the host cannot stop that one: this side gives up)
+    the loopback sshd writing to a small tmpfs that something else fills mid-upload
 """
 
 from __future__ import annotations
@@ -236,6 +237,48 @@ def test_a_host_that_stalls_mid_upload_is_given_up_and_the_partial_resumes(serve
         again = transfer.send_file(host, src, str(dest), progress=False)
     assert again.status == "resumed" and again.bytes_sent == src.stat().st_size - cut
     assert (dest / "big.tar").read_bytes() == src.read_bytes()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 96 MB tmpfs at tmp_path/disk (root only)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_disk_that_fills_mid_upload_names_the_path_and_the_space_and_keeps_the_partial(server, small_disk, tmp_path):
+    """Room at the check, then something else fills the filesystem. It said 'the SSH connection closed ...
+    sshd restarted, the host rebooted or the network dropped' (sftp-server's bare 'Failure')."""
+    src = tmp_path / "big.tar"
+    src.write_bytes(os.urandom(24 << 20))
+    partial = small_disk / ".big.tar.partial"
+
+    def fill():
+        wait_until(lambda: partial.exists() and partial.stat().st_size > 2 << 20, "the upload never started")
+        with open(small_disk / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(bytes(1 << 20))
+            except OSError:  # ENOSPC: the filesystem is full
+                pass
+
+    filler = threading.Thread(target=fill, daemon=True)
+    filler.start()
+    r, seconds = upload(server.target, server.port, server.identity, server.known_hosts, src, small_disk,
+                        "--bwlimit", "8")
+    filler.join(30)
+    assert_one_message(r, seconds, (f"127.0.0.1:{small_disk} ran out of space while receiving big.tar",
+                                    "MB are free there", "more are needed", str(partial), "resumes"))
+    assert sorted(p.name for p in small_disk.iterdir()) == [".big.tar.partial", "filler"]
+    (small_disk / "filler").unlink()  # room again: the same command resumes from the partial
+    r, _ = upload(server.target, server.port, server.identity, server.known_hosts, src, small_disk)
+    assert r.returncode == 0 and "\nresumed " in r.stdout, r.stderr
+    assert (small_disk / "big.tar").read_bytes() == src.read_bytes()
 
 
 # -- a command on the host that never returns ------------------------------------------------------------
