@@ -93,9 +93,7 @@ def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *,
         return Sampler(temperature, torch.Generator().manual_seed(seed + i) if temperature > 0 else None)
 
     if prompts:  # warm-up, untimed: the first pass of each path pays one-time allocations and dispatch
-        speculative_generate(target, proposer, prompts[0], 2, use_cache=cached, sampler=sampler(0))
-        if check_lossless:
-            target_generate(target, prompts[0], 2, use_cache=cached, sampler=sampler(0))
+        _warm_up(target, proposer, prompts[0], cached, check_lossless, sampler)
     accepted, steps, tokens, plain_tokens, spec_s, plain_s = 0, 0, 0, 0, 0.0, 0.0
     histogram = [0] * proposer.block_size
     divergences = []
@@ -109,20 +107,15 @@ def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *,
         for length in spec.accept_lengths:
             histogram[length - 1] += 1
         if check_lossless:
-            watch = DivergenceWatch(spec.tokens, getattr(target, "dtype", None)) if judged else None
-            t0 = time.perf_counter()
-            plain = target_generate(target, prompt, max_new_tokens, stops, use_cache=cached, sampler=sampler(i),
-                                    on_step=watch)
-            plain_s += time.perf_counter() - t0
-            plain_tokens += len(plain)
-            if watch is not None and (found := watch.finish(plain)) is not None:
-                divergences.append({"prompt": i, **found})
+            n_plain, seconds, divergence = _decode_plain(target, prompt, i, max_new_tokens, stops, cached, sampler,
+                                                         spec.tokens if judged else None)
+            plain_s, plain_tokens = plain_s + seconds, plain_tokens + n_plain
+            if divergence is not None:
+                divergences.append(divergence)
     report = {
         "tau": accepted / steps if steps else 0.0,
         "tokens_per_s": tokens / spec_s if spec_s else 0.0,
-        "lossless": all(d["near_tie"] for d in divergences) if judged else None,
-        "near_ties": sum(d["near_tie"] for d in divergences) if judged else None,
-        "divergences": divergences, "mismatched_prompts": [d["prompt"] for d in divergences],
+        **_lossless_fields(divergences, judged),
         "n_prompts": len(prompts), "n_tokens": tokens, "verify_steps": steps,
         "accept_histogram": histogram, "accept_per_pos": acceptance_per_position(histogram),
         "cache": mode, "temperature": temperature,
@@ -132,6 +125,36 @@ def evaluate(target, drafter, prompts: list[list[int]], max_new_tokens: int, *,
         report["greedy_tokens_per_s"] = plain_tokens / plain_s
         report["speedup"] = report["tokens_per_s"] / report["greedy_tokens_per_s"]
     return report
+
+
+def _warm_up(target, proposer: Proposer, prompt: list[int], cached: bool, plain: bool, sampler) -> None:
+    """One untimed two-token pass of speculative decoding (and, with `plain`, of plain decoding) on `prompt`."""
+    speculative_generate(target, proposer, prompt, 2, use_cache=cached, sampler=sampler(0))
+    if plain:
+        target_generate(target, prompt, 2, use_cache=cached, sampler=sampler(0))
+
+
+def _decode_plain(target, prompt: list[int], i: int, max_new_tokens: int, stops: list[int], cached: bool, sampler,
+                  spec_tokens: list[int] | None) -> tuple[int, float, dict | None]:
+    """Plain decoding of prompt i by the target, timed: (tokens, seconds, where it first differs from
+    `spec_tokens` or None; spec_tokens None: not compared)."""
+    watch = DivergenceWatch(spec_tokens, getattr(target, "dtype", None)) if spec_tokens is not None else None
+    t0 = time.perf_counter()
+    plain = target_generate(target, prompt, max_new_tokens, stops, use_cache=cached, sampler=sampler(i),
+                            on_step=watch)
+    seconds = time.perf_counter() - t0
+    if watch is not None and (found := watch.finish(plain)) is not None:
+        return len(plain), seconds, {"prompt": i, **found}
+    return len(plain), seconds, None
+
+
+def _lossless_fields(divergences: list[dict], judged: bool) -> dict:
+    """The report's verdict: lossless, near_ties (None unless judged), divergences, mismatched_prompts."""
+    return {
+        "lossless": all(d["near_tie"] for d in divergences) if judged else None,
+        "near_ties": sum(d["near_tie"] for d in divergences) if judged else None,
+        "divergences": divergences, "mismatched_prompts": [d["prompt"] for d in divergences],
+    }
 
 
 def acceptance_per_position(histogram: list[int]) -> list[float]:
