@@ -1,17 +1,16 @@
 """dflash.demo: the demo target builds, is cached atomically, reloads as a real target, and has learned.
 
-The full build (pre-training on CPU) runs once per session; set DFLASH_DEMO_CACHE=<dir> to reuse it
-across runs.
+The full build (pre-training on CPU) runs once per session, where every demo run finds it
+($DFLASH_DEMO_CACHE, else ~/.cache/dflash/demo), and is reused across sessions from there.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from dflash.demo.corpus import demo_conversations
-from dflash.demo.tiny_target import DemoSpec, answer_diversity, build_demo_target, probe_greedy, read_demo_record
+from dflash.demo.tiny_target import (DemoSpec, answer_diversity, build_demo_target, default_demo_dir, probe_greedy,
+                                     read_demo_record)
 from dflash.model.target import Target
 
 
@@ -21,9 +20,10 @@ needs_build = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    root = os.environ.get("DFLASH_DEMO_CACHE") or tmp_path_factory.mktemp("demo-cache")
-    return build_demo_target(root, progress=False)
+def demo_dir():
+    """The demo target where every demo run of the test session finds it ($DFLASH_DEMO_CACHE, else
+    ~/.cache/dflash/demo): the decoding tests and the in-process demo runs build or reuse the same one."""
+    return build_demo_target(default_demo_dir(), progress=False)
 
 
 @pytest.fixture(scope="session")
