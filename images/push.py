@@ -79,12 +79,7 @@ def push(o: PushOptions) -> PushReport:
                      command_timeout=o.command_timeout_s) as host:
         facts = proxmox.gather_facts(host, o.plan.get("gpus", "all"))
         if ref:
-            if facts.pve < proxmox.PULL_MIN_PVE:
-                raise HostError(f"the host runs Proxmox VE {facts.pve}; pulling from a registry (oci-registry-pull) "
-                                f"needs PVE >= {proxmox.PULL_MIN_PVE}. Push without --from-registry (the image is "
-                                "exported here and sent over SSH).")
-            if o.format == "template":
-                raise HostError("--from-registry pulls an OCI archive; drop --format template.")
+            _check_pull(facts, o)
         fmt = "oci" if ref else (o.format if o.format != "auto" else (
             "oci" if facts.pve >= proxmox.OCI_MIN_PVE else "template"))
         artifact = Path(o.out_dir) / (proxmox.pull_filename(ref.repository, ref.tag, info.id) + ".tar" if ref
@@ -100,40 +95,84 @@ def push(o: PushOptions) -> PushReport:
             record = {}
         else:
             record = _artifact(info, fmt, artifact, o, report)
-        shadow = records.shadowing_libcuda(record) if devices else []
-        if shadow:
-            raise HostError(
-                f"the image ships its own libcuda ({', '.join(shadow)}) on its LD_LIBRARY_PATH; it would be loaded "
-                f"instead of the host driver's {facts.driver.text} libraries and fail with 'driver/library version "
-                "mismatch'. Remove it from the image (or from LD_LIBRARY_PATH) and export again.")
-        if not ref and o.dry_run:
-            say(f"would send {artifact} ({_size(record)}, sha256 {record.get('sha256', 'after export')}) "
-                f"to {host.hostname}:{template_dir}/{artifact.name}")
-        elif not ref:
-            r = transfer.send_file(host, artifact, template_dir, sha256=record["sha256"], force=o.force,
-                                   bwlimit_mb_s=o.bwlimit_mb_s)
-            say(f"{r.status}: {r.remote_path} ({r.bytes_sent / 1e6:.1f} MB at {r.rate_mb_s:.1f} MB/s)")
-            report.step("transfer", status=r.status, path=r.remote_path, bytes=r.bytes_sent, seconds=r.seconds)
+        _refuse_shadowing_libcuda(record, facts, devices)
+        if not ref:
+            _send(host, artifact, template_dir, record, o, report)
+        _create(host, plan, facts, devices, o, report)
+        if o.start:
+            _start(host, plan, facts, devices, fmt, info, o, report)
+    return report
 
-        commands: list[list[str]] = []
-        if plan.replace and plan.ctid in facts.ctids:
-            commands += [["pct", "stop", str(plan.ctid)], ["pct", "destroy", str(plan.ctid), "--purge"]]
-        commands.append(proxmox.render_create(plan))
-        commands += proxmox.render_set(plan, facts, devices)
-        raw = (proxmox.render_ipc_config(plan) + proxmox.render_net_config(plan)
-               + proxmox.render_raw_config(facts, devices))
-        conf = f"{o.pve_config_dir.rstrip('/')}/{plan.ctid}.conf"
-        for argv in commands:
-            _run(host, argv, o.dry_run, report, check=argv[1] != "stop")
-        if raw:
-            text = "".join(line + "\n" for line in raw)
-            if o.dry_run:
-                say(f"would append to {host.hostname}:{conf}:\n{text}")
-            else:
-                host.run(f"cat >> {shlex.quote(conf)}", stdin=text.encode())
-            report.step("config", path=conf, lines=raw)
-        if not o.start:
-            return report
+
+def _check_pull(facts, o: PushOptions) -> None:
+    """--from-registry needs a host that pulls OCI images itself, and the OCI format."""
+    if facts.pve < proxmox.PULL_MIN_PVE:
+        raise HostError(f"the host runs Proxmox VE {facts.pve}; pulling from a registry (oci-registry-pull) "
+                        f"needs PVE >= {proxmox.PULL_MIN_PVE}. Push without --from-registry (the image is "
+                        "exported here and sent over SSH).")
+    if o.format == "template":
+        raise HostError("--from-registry pulls an OCI archive; drop --format template.")
+
+
+def _refuse_shadowing_libcuda(record: dict, facts, devices) -> None:
+    """An image's own libcuda on its library path would hide the host driver's from the GPUs passed through."""
+    shadow = records.shadowing_libcuda(record) if devices else []
+    if shadow:
+        raise HostError(
+            f"the image ships its own libcuda ({', '.join(shadow)}) on its LD_LIBRARY_PATH; it would be loaded "
+            f"instead of the host driver's {facts.driver.text} libraries and fail with 'driver/library version "
+            "mismatch'. Remove it from the image (or from LD_LIBRARY_PATH) and export again.")
+
+
+def _send(host, artifact: Path, template_dir: str, record: dict, o: PushOptions, report: PushReport) -> None:
+    """The exported artifact into the host's template storage (resumable, checksummed), or what would be sent."""
+    if o.dry_run:
+        say(f"would send {artifact} ({_size(record)}, sha256 {record.get('sha256', 'after export')}) "
+            f"to {host.hostname}:{template_dir}/{artifact.name}")
+        return
+    r = transfer.send_file(host, artifact, template_dir, sha256=record["sha256"], force=o.force,
+                           bwlimit_mb_s=o.bwlimit_mb_s)
+    say(f"{r.status}: {r.remote_path} ({r.bytes_sent / 1e6:.1f} MB at {r.rate_mb_s:.1f} MB/s)")
+    report.step("transfer", status=r.status, path=r.remote_path, bytes=r.bytes_sent, seconds=r.seconds)
+
+
+def _create(host, plan, facts, devices, o: PushOptions, report: PushReport) -> None:
+    """pct create (after stop and destroy of the container it replaces), pct set, then the raw config lines."""
+    commands: list[list[str]] = []
+    if plan.replace and plan.ctid in facts.ctids:
+        commands += [["pct", "stop", str(plan.ctid)], ["pct", "destroy", str(plan.ctid), "--purge"]]
+    commands.append(proxmox.render_create(plan))
+    commands += proxmox.render_set(plan, facts, devices)
+    raw = (proxmox.render_ipc_config(plan) + proxmox.render_net_config(plan)
+           + proxmox.render_raw_config(facts, devices))
+    conf = f"{o.pve_config_dir.rstrip('/')}/{plan.ctid}.conf"
+    for argv in commands:
+        _run(host, argv, o.dry_run, report, check=argv[1] != "stop")
+    if raw:
+        text = "".join(line + "\n" for line in raw)
+        if o.dry_run:
+            say(f"would append to {host.hostname}:{conf}:\n{text}")
+        else:
+            host.run(f"cat >> {shlex.quote(conf)}", stdin=text.encode())
+        report.step("config", path=conf, lines=raw)
+
+
+def _start(host, plan, facts, devices, fmt: str, info, o: PushOptions, report: PushReport) -> None:
+    """pct start, ldconfig where host libraries were bound in, then the doctor inside (its failure is fatal)."""
+    _run(host, ["pct", "start", str(plan.ctid)], o.dry_run, report)
+    if facts.libraries and devices:
+        _run(host, ["pct", "exec", str(plan.ctid), "--", "ldconfig"], o.dry_run, report)
+    if not o.doctor:
+        return
+    argv = ["pct", "exec", str(plan.ctid), "--", *doctor_argv(fmt, info, o.doctor)]
+    result = _run(host, argv, o.dry_run, report, check=False)
+    if result is not None:
+        report.doctor_output = result.stdout + result.stderr
+        print(report.doctor_output, end="")
+        if result.rc != 0:
+            raise PushError(
+                f"container {plan.ctid} is up but `{o.doctor}` failed inside it (exit {result.rc}); its "
+                f"report is above. Inspect with: ssh {o.host} pct exec {plan.ctid} -- {doctor_hint(fmt, o.doctor)}")
         _run(host, ["pct", "start", str(plan.ctid)], o.dry_run, report)
         if facts.libraries and devices:
             _run(host, ["pct", "exec", str(plan.ctid), "--", "ldconfig"], o.dry_run, report)
