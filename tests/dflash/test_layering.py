@@ -46,6 +46,17 @@ def test_no_module_over_400_lines():
     assert not long, f"modules over 400 lines: {long}"
 
 
+def test_no_function_over_60_lines_in_the_packages():
+    """A function longer than a screen does more than one thing: split it at the seams it has."""
+    packages = [ROOT.parent / p for p in ("dflash", "images", "wheelbuilder", "common", "loopback")]
+    long = {f"{path.relative_to(ROOT.parent)}: {node.name}": n
+            for package in packages for path in sorted(package.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (n := node.end_lineno - node.lineno + 1) > 60}
+    assert not long, f"functions over 60 lines: {long}"
+
+
 def test_cli_stays_within_300_lines():
     """cli.py only parses and dispatches; the smaller subcommands' parsers and handlers live in commands.py."""
     n = len((ROOT / "cli.py").read_text().splitlines())
