@@ -173,20 +173,6 @@ def _start(host, plan, facts, devices, fmt: str, info, o: PushOptions, report: P
             raise PushError(
                 f"container {plan.ctid} is up but `{o.doctor}` failed inside it (exit {result.rc}); its "
                 f"report is above. Inspect with: ssh {o.host} pct exec {plan.ctid} -- {doctor_hint(fmt, o.doctor)}")
-        _run(host, ["pct", "start", str(plan.ctid)], o.dry_run, report)
-        if facts.libraries and devices:
-            _run(host, ["pct", "exec", str(plan.ctid), "--", "ldconfig"], o.dry_run, report)
-        if o.doctor:
-            argv = ["pct", "exec", str(plan.ctid), "--", *doctor_argv(fmt, info, o.doctor)]
-            result = _run(host, argv, o.dry_run, report, check=False)
-            if result is not None:
-                report.doctor_output = result.stdout + result.stderr
-                print(report.doctor_output, end="")
-                if result.rc != 0:
-                    raise PushError(
-                        f"container {plan.ctid} is up but `{o.doctor}` failed inside it (exit {result.rc}); its "
-                        f"report is above. Inspect with: ssh {o.host} pct exec {plan.ctid} -- {doctor_hint(fmt, o.doctor)}")
-    return report
 
 
 def registry_image(ref: registry.Reference, ca_cert: str | None) -> tuple[ImageInfo, list[str]]:
