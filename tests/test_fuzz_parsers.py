@@ -354,6 +354,30 @@ def test_resume_checks(latest, cut, flips, drafter):
         pass
 
 
+MANIFEST_NAMES = st.one_of(st.sampled_from(["a.bin", "sub/b.bin", "./a.bin", "../a.bin", "/etc/hostname", "",
+                                            "manifest.json"]), st.text(max_size=12))
+MANIFEST_FILES = st.dictionaries(MANIFEST_NAMES, st.one_of(
+    st.fixed_dictionaries({}, optional={"size": st.one_of(st.sampled_from([1, 2]), NUMBER),
+                                        "sha256": st.one_of(st.text("0123456789abcdef", min_size=64, max_size=64),
+                                                            st.text(max_size=70), NUMBER)}), JSON), max_size=4)
+
+
+@given(doc=st.one_of(JSON, st.fixed_dictionaries({"files": st.one_of(MANIFEST_FILES, JSON)})), raw=st.booleans(),
+       junk=st.binary(max_size=24))
+def test_checkpoint_manifest(doc, raw, junk):
+    """A checkpoint's manifest.json, damaged any way (--resume's last check, dflash.train.records.manifest): what
+    is wrong comes back as (the file, a reason), never an exception; fuzzed sums never match."""
+    from dflash.train.records.manifest import MANIFEST, check_manifest
+
+    checkpoint = _scratch("fuzz-manifest-")
+    (checkpoint / "sub").mkdir()
+    (checkpoint / "a.bin").write_bytes(b"a")
+    (checkpoint / "sub" / "b.bin").write_bytes(b"bb")
+    (checkpoint / MANIFEST).write_bytes(junk if raw else json.dumps(doc).encode())
+    path, reason = check_manifest(checkpoint)
+    assert isinstance(path, Path) and isinstance(reason, str) and reason
+
+
 TARGET_CONFIG = st.fixed_dictionaries(
     {"model_type": st.one_of(st.sampled_from(["qwen3", "qwen3_5_text", "llama", "nope", ""]), JSON)},
     optional={k: JSON for k in ("num_hidden_layers", "hidden_size", "vocab_size", "layer_types", "text_config",

@@ -134,7 +134,7 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
 
     from dflash.io.drafter_dir import read_drafter_config
     from dflash.train.records.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
-    from dflash.train.records.manifest import check_manifest
+    from dflash.train.records.manifest import WRITTEN_KEY, check_manifest
     from dflash.train.parallel.sharded_checkpoint import KIND_KEY, check_kind
     from dflash.train.records.rundir import RunDir
 
@@ -162,7 +162,8 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     if not isinstance(loaded, dict) or not needed <= loaded.keys():
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
     check_kind(last, loaded, config.layout)
-    problem = check_manifest(last)  # bytes changed inside tensor data load without an error anywhere else
+    # bytes changed inside tensor data load without an error anywhere else
+    problem = check_manifest(last, required=bool(loaded.get(WRITTEN_KEY)))
     if problem:
         raise _damaged(last, *problem)
 

@@ -79,6 +79,29 @@ def flip_state_bytes(out: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def edit_manifest(change: Callable[[dict], object]):
+    """Damage the latest checkpoint's manifest.json: `change` edits its parsed JSON in place."""
+    def damage(out: Path) -> None:
+        path = ckpt_dir(out) / "manifest.json"
+        doc = json.loads(path.read_text())
+        change(doc)
+        path.write_text(json.dumps(doc))
+    return damage
+
+
+def cut_manifest(out: Path) -> None:
+    path = ckpt_dir(out) / "manifest.json"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def change_train_config_in_place(out: Path) -> None:
+    """A hand edit of the checkpoint's train_config.json that keeps its size: only the sha256 tells."""
+    path = ckpt_dir(out) / "train_config.json"
+    text = path.read_text()
+    assert '"seed": 0' in text
+    path.write_text(text.replace('"seed": 0', '"seed": 7'))
+
+
 def point_latest_nowhere(out: Path) -> None:
     (RunDir(out).checkpoints / "latest").write_text("step-00009999\n")
 
@@ -211,6 +234,7 @@ class Case:
     check: Callable[[Path], None] | None = None  # more to assert of tmp afterwards
     held: Callable[[Path], object] | None = None  # a context (e.g. another run's lock) around the command
     untouched: bool = False  # every file already in tmp/out keeps its content (train.log too)
+    kept: bool = False  # every file already in tmp/out keeps its content, but train.log only grows (the refusal)
     xfail: str | None = None  # a fix that lives in a file this suite's changes could not touch
     before_load: bool = False  # every one of `words` is printed before the target's weights load
     slow: bool = False  # runs in make test's slow tier only (the built-in demo)
@@ -311,6 +335,45 @@ CASES = [
     Case("resume-state-contents-damaged", train_main, train_flags("--resume"), 3,
          ("trainer_state.pt is damaged", "UnpicklingError", "echo step-00000002 >", "start over without --resume"),
          True, resume_from=flip_state_bytes, absent=("weights_only", "add_safe_globals")),
+    # the checkpoint's manifest.json (the size and sha256 of each file): damaged itself, or naming a damaged file
+    Case("resume-manifest-cut-short", train_main, train_flags("--resume"), 3,
+         ("manifest.json is damaged (it is not valid JSON", "cut short", "echo step-00000002 >"), True,
+         resume_from=cut_manifest, kept=True),
+    Case("resume-manifest-files-a-list", train_main, train_flags("--resume"), 3,
+         ('manifest.json is damaged (it holds {"files": ["drafter/config.json"', 'not {"files": {path:'), True,
+         resume_from=edit_manifest(lambda d: d.update(files=sorted(d["files"]))), kept=True),
+    Case("resume-manifest-entry-a-string", train_main, train_flags("--resume"), 3,
+         ('manifest.json is damaged (its entry for trainer_state.pt is "abc", not {"size"', "echo step-00000002 >"),
+         True, resume_from=edit_manifest(lambda d: d["files"].update({"trainer_state.pt": "abc"})), kept=True),
+    Case("resume-manifest-size-a-string", train_main, train_flags("--resume"), 3,
+         ('its entry for trainer_state.pt has size "', 'not a whole number of bytes'), True, absent=("were written",),
+         resume_from=edit_manifest(lambda d: d["files"]["trainer_state.pt"].update(
+             size=str(d["files"]["trainer_state.pt"]["size"]))), kept=True),
+    Case("resume-manifest-size-left-out", train_main, train_flags("--resume"), 3,
+         ("its entry for drafter/model.safetensors has size null, not a whole number of bytes",), True,
+         resume_from=edit_manifest(lambda d: d["files"]["drafter/model.safetensors"].pop("size")), kept=True),
+    Case("resume-manifest-sha-a-number", train_main, train_flags("--resume"), 3,
+         ("its entry for train_config.json has sha256 12, not 64 hexadecimal digits",), True,
+         resume_from=edit_manifest(lambda d: d["files"]["train_config.json"].update(sha256=12)), kept=True),
+    Case("resume-manifest-path-outside", train_main, train_flags("--resume"), 3,
+         ('manifest.json is damaged (it lists "/etc/hostname", which is not a path inside the checkpoint',), True,
+         resume_from=edit_manifest(lambda d: d["files"].update({"/etc/hostname": {"size": 1, "sha256": "0" * 64}})),
+         kept=True),
+    Case("resume-manifest-lists-nothing", train_main, train_flags("--resume"), 3,
+         ("drafter/config.json is damaged (the manifest does not list it", "move it out", "echo step-00000002 >"), True,
+         resume_from=edit_manifest(lambda d: d["files"].clear()), kept=True),
+    Case("resume-manifest-deleted", train_main, train_flags("--resume"), 3,
+         ("manifest.json is damaged (it is missing, though the checkpoint's trainer state says it was written with one",
+          "echo step-00000002 >"), True, resume_from=lambda out: (ckpt_dir(out) / "manifest.json").unlink(), kept=True),
+    Case("resume-file-the-manifest-lists-missing", train_main, train_flags("--resume"), 3,
+         ("drafter/modeling_dflash.py is damaged (it is missing; the manifest lists it", "echo step-00000002 >"), True,
+         resume_from=lambda out: (ckpt_dir(out) / "drafter" / "modeling_dflash.py").unlink(), kept=True),
+    Case("resume-file-changed-same-size", train_main, train_flags("--resume"), 3,
+         ("train_config.json is damaged (it changed since it was written (sha256", "echo step-00000002 >"), True,
+         resume_from=change_train_config_in_place, kept=True),
+    Case("resume-file-put-there-afterwards", train_main, train_flags("--resume"), 3,
+         ("notes.txt is damaged (the manifest does not list it", "move it out"), True,
+         resume_from=lambda out: (ckpt_dir(out) / "notes.txt").write_text("mine\n"), kept=True),
     Case("bad-block-size", train_main, train_flags("--block-size", "0"), 2, ("block",), True),
     Case("pack-shorter-than-max-length", train_main, train_flags("--packing", "on", "--pack-tokens", "64"), 2,
          ("--pack-tokens 64 is below --max-length 96", "Raise --pack-tokens"), True),
@@ -470,6 +533,12 @@ def test_bad_input(case: Case, world, tmp_path, capsys):
         assert not new, f"--out holds new files: {sorted(new)}"
     if case.untouched:
         assert {p: p.read_bytes() for p in contents} == contents, "a file in --out changed"
+    if case.kept:
+        log, lock = RunDir(out).log, RunDir(out).lock
+        changed = [str(p) for p, data in contents.items()
+                   if p not in (log, lock) and (not p.is_file() or p.read_bytes() != data)]
+        assert not changed, f"files in --out changed or went: {changed}"
+        assert log.read_bytes().startswith(contents.get(log, b"")), "train.log lost lines"
     if case.log_words:
         log = RunDir(out).log.read_text()
         for word in case.log_words:

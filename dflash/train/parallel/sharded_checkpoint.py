@@ -35,6 +35,7 @@ from dflash.config import Layout
 from dflash.errors import CheckpointError
 from dflash.train.records import checkpoint as ckpt
 from dflash.train import faults
+from dflash.train.records.manifest import WRITTEN_KEY
 
 DCP_DIR = "dcp"
 KIND_KEY = "checkpoint_kind"
@@ -98,7 +99,7 @@ def save(root: Path, *, step: int, drafter, optimizer, scheduler, train_state: d
         barrier()  # every rank's shards are on disk: rank 0 records them, then the rename makes them visible
         if rank == 0:
             save_drafter(plain, tmp / "drafter", dtype=None)
-            state = {"format": ckpt.FORMAT_VERSION, "step": step, KIND_KEY: "dcp",
+            state = {"format": ckpt.FORMAT_VERSION, WRITTEN_KEY: True, "step": step, KIND_KEY: "dcp",
                      "scheduler": scheduler.state_dict(), "rng": ckpt.capture_rng(), **train_state}
             buffer = io.BytesIO()
             torch.save(state, buffer)

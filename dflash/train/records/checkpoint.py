@@ -33,6 +33,7 @@ from common.fsutil import atomic_write
 from dflash.config import TrainConfig
 from dflash.errors import CheckpointError, TrainError
 from dflash.io.drafter_dir import load_drafter, save_drafter
+from dflash.train.records.manifest import WRITTEN_KEY, write_manifest
 
 STATE_FILE = "trainer_state.pt"
 FORMAT_VERSION = 1
@@ -64,8 +65,6 @@ def publish(tmp: Path, final: Path) -> None:
     """Make the complete checkpoint `tmp` visible as `final` and point `latest` at it. The same step
     written twice (a stop right after a resume): the old one is swapped out, then dropped. Its manifest
     (dflash.train.records.manifest) is written first: the last write into it."""
-    from dflash.train.records.manifest import write_manifest
-
     write_manifest(tmp)
     root, old = final.parent, None
     if final.exists():
@@ -93,6 +92,7 @@ def save_checkpoint(root: Path, *, step: int, drafter, optimizer, scheduler, tra
         save_drafter(drafter, tmp / "drafter", dtype=None)  # as trained: resume continues exactly
         state = {
             "format": FORMAT_VERSION,
+            WRITTEN_KEY: True,  # publish() writes its manifest: --resume then refuses one without it
             "step": step,
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
