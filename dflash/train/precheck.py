@@ -145,7 +145,7 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
                               "is nothing to continue. Start it over with --overwrite instead of --resume (deletes "
                               "its metrics and log), or give another --out.")
     try:
-        read_drafter_config(last / "drafter")
+        saved = read_drafter_config(last / "drafter")
     except DflashError as exc:
         raise _damaged(last, last / "drafter", str(exc)) from None
     state = last / STATE_FILE
@@ -166,6 +166,35 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     problem = check_manifest(last, required=bool(loaded.get(WRITTEN_KEY)))
     if problem:
         raise _damaged(last, *problem)
+    check_resume_shape(config, last, saved)
+
+
+def check_resume_shape(config: TrainConfig, checkpoint: Path, saved) -> None:
+    """The options that fix the drafter's shape against `saved`, the DrafterConfig of the drafter `checkpoint`
+    holds: another drafter kind, block size, layer count, window or tapped layers is refused by its flag before
+    any weight loads (the whole config is compared once the target is loaded:
+    dflash.train.records.checkpoint.check_compatible). With --init-drafter, its config.json fixes all but the
+    kind and the block size."""
+    from dflash.kinds import kind_of
+
+    opts = config.model
+    pairs = {"--drafter-kind": (kind_of(saved).name, opts.drafter_kind),
+             "--block-size": (saved.block_size, opts.block_size)}
+    if not opts.init_drafter:
+        pairs["--drafter-layers"] = (saved.num_hidden_layers, opts.drafter_layers)
+        pairs["--sliding-window"] = (saved.sliding_window or 0, opts.sliding_window)
+        if opts.target_layer_ids is not None:
+            pairs["--target-layer-ids"] = (",".join(map(str, saved.target_layer_ids)),
+                                           ",".join(map(str, opts.target_layer_ids)))
+    differ = {flag: pair for flag, pair in pairs.items() if pair[0] != pair[1]}
+    if differ:
+        was = " ".join(f"{flag} {old}" for flag, (old, _) in differ.items())
+        now = " ".join(f"{flag} {new}" for flag, (_, new) in differ.items())
+        raise CheckpointError(
+            f"--resume: checkpoint {checkpoint.name} in {checkpoint.parent} holds a drafter trained with {was}; this "
+            f"run asks for {now}. Its weights and optimizer state fit only that drafter: resume with {was} (the "
+            f"options the run started with are in {Path(config.io.out) / 'config.json'}), or start a new run in "
+            "another --out without --resume.")
 
 
 def drafter_layers(config: TrainConfig, configs: dict[str, TrainConfig], target) -> dict[str, list[int]]:

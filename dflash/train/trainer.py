@@ -87,11 +87,11 @@ def run_drafters(config: TrainConfig, configs: dict[str, TrainConfig], *, specs:
             if items is None:
                 items = load_items(config, target)
             items, eval_items = eval_split(config, target, items)
-            if d.is_main:
-                _write_configs(run, config, configs, specs)
             loop = TrainingLoop(configs, target, items, d, stop, on_step, eval_items, layers)
             if config.io.resume:
                 loop.restore()
+            if d.is_main:  # only once the checkpoint fits: a refused --resume leaves the stored options as they were
+                _write_configs(run, config, configs, specs)
             _say_what_trains(loop, configs, len(items), d)
             result = loop.run()
             getattr(target, "close", lambda: None)()  # pipeline: the stage ranks may stop

@@ -1,5 +1,5 @@
 """A DFlash2 run cut back to a checkpoint resumes to the uninterrupted run (losses and weights, the
-selector's included), and a checkpoint of the other drafter kind is refused."""
+selector's included), and a resume as the other drafter kind is refused by its flag before the target loads."""
 
 import shutil
 
@@ -9,6 +9,7 @@ import torch
 from dflash.cli import train_main
 from dflash.train.records import checkpoint as ckpt
 from dflash.train.records.rundir import RunDir
+from tests.support.bad_input import assert_clear_failure
 from tests.support.dflash_train_fixtures import read_metrics, save_chat_target, train_args, write_chat_jsonl
 
 
@@ -37,6 +38,11 @@ def test_a_dflash2_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, capsys)
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6)
 
     capsys.readouterr()
+    stored = RunDir(split).config.read_bytes()
     other = train_args(target, data, split, **{**opts, "drafter_kind": "dflash"}) + ["--resume"]
-    assert train_main(other) != 0
-    assert "selector" in capsys.readouterr().err  # the checkpoint's drafter shape names what differs
+    code = train_main(other)
+    err = capsys.readouterr().err
+    assert_clear_failure(code, 3, err, ["holds a drafter trained with --drafter-kind dflash2;",
+                                        "asks for --drafter-kind dflash.", "resume with --drafter-kind dflash2"])
+    assert "Loading weights" not in err  # refused by its flag before the target loads
+    assert RunDir(split).config.read_bytes() == stored  # the run's own options stay as they were

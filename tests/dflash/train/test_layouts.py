@@ -91,6 +91,15 @@ def toy(tmp_path_factory):
     return root, target, data
 
 
+def _cut_to_step_2(run: Path, cut: Path) -> None:
+    """A copy of the 3-step `run` as if it had stopped right after its step-2 checkpoint."""
+    shutil.copytree(run, cut)
+    shutil.rmtree(RunDir(cut).checkpoints / ckpt.step_dir_name(3))
+    shutil.rmtree(RunDir(cut).drafter)
+    (RunDir(cut).checkpoints / "latest").write_text(ckpt.step_dir_name(2) + "\n")
+    RunDir(cut).metrics.write_text("\n".join(RunDir(cut).metrics.read_text().splitlines()[:2]) + "\n")
+
+
 @pytest.mark.slow  # one torchrun launch of 2 gloo processes (about 25 s on a 2-core machine)
 def test_shard_on_two_processes_matches_one_process(toy, tmp_path):
     """FSDP2 over 2 ranks (batch 5: an uneven 3 + 2 split) against the plain process; its checkpoint is
@@ -125,11 +134,7 @@ def test_shard_alone_matches_one_process_and_resumes_at_another_world_size(toy, 
     assert_same_run(root / "one", out)
 
     cut = tmp_path / "cut"
-    shutil.copytree(out, cut)
-    shutil.rmtree(RunDir(cut).checkpoints / ckpt.step_dir_name(3))
-    shutil.rmtree(RunDir(cut).drafter)
-    (RunDir(cut).checkpoints / "latest").write_text(ckpt.step_dir_name(2) + "\n")
-    RunDir(cut).metrics.write_text("\n".join(RunDir(cut).metrics.read_text().splitlines()[:2]) + "\n")
+    _cut_to_step_2(out, cut)
     with pytest.raises(CheckpointError, match="Resume with --layout shard"):
         from dflash.train.precheck import check_resume_checkpoint
 
@@ -139,6 +144,21 @@ def test_shard_alone_matches_one_process_and_resumes_at_another_world_size(toy, 
     assert "--layout replicate cannot read it" in RunDir(cut).log.read_text()
     _launch(tmp_path, 2, train_args(target, data, cut, layout="shard", **OPTS) + ["--resume"])
     assert_same_run(root / "one", cut)
+
+
+@pytest.mark.slow  # one torchrun launch of 2 gloo processes
+def test_a_replicate_checkpoint_of_one_process_resumes_on_two(toy, tmp_path):
+    """--layout replicate's checkpoint (whole files, written by one process) resumed by 2 ranks: the global
+    micro-batch is the same whatever the world size (its sequences split across the ranks), so the resumed run
+    lands on the uninterrupted one-process run, losses, gradient norms and exported weights."""
+    root, target, data = toy
+    cut = tmp_path / "cut"
+    _cut_to_step_2(root / "one", cut)
+    assert ckpt.load_state(RunDir(cut).checkpoints / ckpt.step_dir_name(2))["world_size"] == 1
+    _launch(tmp_path, 2, train_args(target, data, cut, **OPTS) + ["--resume"])
+    assert_same_run(root / "one", cut)
+    assert "world size 2" in RunDir(cut).log.read_text()
+    assert ckpt.load_state(RunDir(cut).checkpoints / ckpt.step_dir_name(3))["world_size"] == 2
 
 
 # The bound docs/training.md states for a longer run: AdamW divides each gradient by its running RMS, so a
