@@ -16,7 +16,8 @@ head). transformers reads the list with its own matching (quantizers_utils.shoul
 
     write_fp8_checkpoint(src, out)   bf16/fp32 directory -> FP8 directory (atomic: a temporary name, renamed)
     read_fp8_quantization(path)      config.json's quantization_config, or None; refuses other methods
-    check_fp8_tensors(path, quant)   every FP8 weight has its scale tensor, of the block grid's shape
+    check_fp8_tensors(path, quant)   every FP8 weight has its scale tensor: the block grid's shape, a float dtype,
+                                     finite and positive values; every scale tensor has its FP8 weight
 """
 
 from __future__ import annotations
@@ -170,40 +171,103 @@ def _headers(path: Path) -> dict[str, tuple[str, list[int], str]]:
     """Every tensor's (dtype, shape, file) from the safetensors headers (no tensor data is read)."""
     out = {}
     for file in _weight_files(path):
-        with open(path / file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        out.update({k: (v["dtype"], v["shape"], file) for k, v in header.items() if k != "__metadata__"})
+        try:
+            with open(path / file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if size > os.fstat(f.fileno()).st_size:
+                    raise ValueError(f"its header claims {size} bytes, more than the file holds")
+                header = json.loads(f.read(size))
+            out.update({k: (v["dtype"], v["shape"], file) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, ValueError, AttributeError, KeyError, TypeError) as exc:  # cut short, not safetensors
+            raise TargetError(f"{path / file}: its safetensors header cannot be read ({type(exc).__name__}: {exc}); "
+                              f"{_REWRITE_FIX}") from None
     return out
 
 
+# safetensors dtypes a scale may have: transformers multiplies in float32 (a float8 scale would round to zero)
+SCALE_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+def _scale_problem(key: str, shape: list[int], scale_key: str, scale) -> str | None:
+    """What is wrong with the header (dtype, shape, file) `scale` of the FP8 weight `key` [N, K]'s scale tensor
+    `scale_key` (None: there is none), or None."""
+    if scale is None:
+        return f"the FP8 weight {key} {shape} has no scale tensor {scale_key}; the checkpoint is incomplete"
+    want = [math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)] if len(shape) == 2 else None
+    if want is None or list(scale[1]) != want:
+        return (f"{scale_key} is {scale[1]}, the FP8 weight {key} {shape} needs {want} (one float32 scale per "
+                "128 x 128 block)")
+    if scale[0] not in SCALE_DTYPES:
+        return (f"{scale_key} is {scale[0]}, not a float type that holds a scale ({', '.join(SCALE_DTYPES)}): the "
+                f"weights of {key} would load as other numbers")
+    return None
+
+
+def _scale_values_problem(scale_key: str, values: torch.Tensor) -> str | None:
+    """What is wrong with the values of a scale tensor (each is its block's max |W| / 448: finite and
+    positive), or None."""
+    values = values.float()
+    counts = {("NaN", "NaN"): values.isnan(), ("infinite", "infinite"): values.isinf(),
+              ("zero", "all-zero"): values == 0, ("negative", "sign-flipped"): values < 0}
+    found = [(what, loads, int(mask.sum())) for (what, loads), mask in counts.items() if mask.any()]
+    if not found:
+        return None
+    said = ", ".join(f"{n} {what}" for what, _, n in found)
+    loads = " or ".join(loads for _, loads, _ in found)
+    return (f"{scale_key} holds {said} of its {values.numel()} scales, so those blocks would load as {loads} "
+            "weights (a scale is its block's max |W| / 448: finite and positive)")
+
+
+def _orphan_scales(tensors: dict) -> list[str]:
+    """Scale tensors with no float8 weight beside them (transformers fails on one with a traceback)."""
+    return sorted(k for k in tensors if k.endswith(".weight_scale_inv")
+                  and tensors.get(k.removesuffix("_scale_inv"), ("",))[0] != "F8_E4M3")
+
+
+def _check_scale_values(path: Path, scales: dict[str, str]) -> None:
+    """Read every scale tensor ({key: file}; small: one number per 128 x 128 block) and refuse bad values."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for key, file in scales.items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in sorted(by_file.items()):
+        with safe_open(path / file, "pt") as f:
+            for key in sorted(keys):
+                if problem := _scale_values_problem(key, f.get_tensor(key)):
+                    raise TargetError(f"{path / file}: {problem}; {_REWRITE_FIX}")
+
+
 def check_fp8_tensors(path, dequantize: bool) -> dict:
-    """Every float8 weight of the FP8 directory `path` has `weight_scale_inv` of [ceil(N/128), ceil(K/128)];
-    with `dequantize` (no FP8 GPU: transformers (5.24, 5.25) dequantizes at load, deriving the block from the scale
-    grid, so a dimension over 128 that is not a multiple of 128 would be cut into wrong blocks) every such
-    dimension is refused. Returns {"fp8_weights": n, "fp8_bytes": bytes of weights and scales}."""
+    """Every float8 weight of the FP8 directory `path` has `weight_scale_inv` of [ceil(N/128), ceil(K/128)], of a
+    float dtype, finite and positive, and every scale tensor has its float8 weight; with `dequantize` (no FP8 GPU:
+    transformers (5.24, 5.25) dequantizes at load, deriving the block from the scale grid, so a dimension over 128
+    that is not a multiple of 128 would be cut into wrong blocks) every such dimension is refused. A TargetError
+    names the tensor and its file. Returns {"fp8_weights": n, "fp8_bytes": bytes of weights and scales}."""
     path = Path(path)
     tensors = _headers(path)
     fp8 = {k: v for k, v in tensors.items() if v[0] == "F8_E4M3" and k.endswith(".weight")}
     if not fp8:
         raise TargetError(f"{path / 'config.json'} says FP8, but no weight in {path} is float8_e4m3fn; "
                           f"{_REWRITE_FIX}")
-    total = 0
+    if orphans := _orphan_scales(tensors):
+        orphan, weight = orphans[0], tensors.get(orphans[0].removesuffix("_scale_inv"))
+        what = f"{weight[0]} {weight[1]}" if weight else "missing"
+        raise TargetError(f"{path / tensors[orphan][2]}: {orphan} scales no float8 weight (its weight is {what}); "
+                          f"{_REWRITE_FIX}")
+    total, scales = 0, {}
     for key, (_, shape, file) in sorted(fp8.items()):
         scale_key = key.removesuffix(".weight") + ".weight_scale_inv"
-        want = [math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)] if len(shape) == 2 else None
-        got = tensors.get(scale_key)
-        if got is None:
-            raise TargetError(f"{path / file}: the FP8 weight {key} {shape} has no scale tensor {scale_key}; the "
-                              f"checkpoint is incomplete: {_REWRITE_FIX}")
-        if want is None or list(got[1]) != want:
-            raise TargetError(f"{path / got[2]}: {scale_key} is {got[1]}, the FP8 weight {key} {shape} needs "
-                              f"{want} (one float32 scale per 128 x 128 block); {_REWRITE_FIX}")
+        scale = tensors.get(scale_key)
+        if problem := _scale_problem(key, shape, scale_key, scale):
+            raise TargetError(f"{path / (scale[2] if scale else file)}: {problem}; {_REWRITE_FIX}")
         if dequantize and any(d > BLOCK and d % BLOCK for d in shape):
             raise TargetError(f"{path / file}: {key} {shape} has a partial 128-block past the first; without an "
                               "FP8 GPU transformers dequantizes it with the wrong block size. Load it on a GPU "
                               "of compute capability 8.9 or newer, or use the bf16 checkpoint")
-        total += math.prod(shape) + 4 * math.prod(want)
+        scales[scale_key] = scale[2]
+        total += math.prod(shape) + 4 * math.prod(scale[1])
+    _check_scale_values(path, scales)
     return {"fp8_weights": len(fp8), "fp8_bytes": total, "tensor_dtypes": {k: v[0] for k, v in tensors.items()}}
 
 

@@ -251,19 +251,81 @@ def test_an_unknown_quantization_method_is_refused_before_weights_load(dirs, tmp
         Target.load(bad)
 
 
-def test_a_missing_scale_tensor_is_refused_before_weights_load(dirs, tmp_path):
-    _, fp8, _ = dirs
-    bad = tmp_path / "noscale"
+SCALE = "model.layers.0.mlp.down_proj.weight_scale_inv"  # [1, 1]: its weight [32, 48] is one partial block
+WEIGHT = "model.layers.0.mlp.down_proj.weight"
+
+
+def _with_tensors(fp8: Path, bad: Path, change) -> Path:
+    """A copy at `bad` of the FP8 directory `fp8` whose tensors {name: tensor} `change` edits in place."""
     bad.mkdir()
     for f in fp8.iterdir():
         if f.name != "model.safetensors":
             (bad / f.name).write_bytes(f.read_bytes())
-    t = _tensors(fp8)
-    del t["model.layers.0.mlp.down_proj.weight_scale_inv"]
-    save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(TargetError, match=r"model.safetensors: the FP8 weight model.layers.0.mlp.down_proj.weight "
-                                          r".* has no scale tensor .*fp8-write"):
+    tensors = _tensors(fp8)
+    change(tensors)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    return bad
+
+
+def _scale(make):
+    return lambda tensors: tensors.__setitem__(SCALE, make(tensors[SCALE]))
+
+
+DAMAGED_SCALES = {
+    "wrong-shape": (_scale(lambda s: torch.ones(2, 2)), f"{SCALE} is [2, 2], the FP8 weight {WEIGHT} [32, 48] needs [1, 1]"),
+    "one-dimensional": (_scale(lambda s: s.view(-1)), f"{SCALE} is [1], the FP8 weight {WEIGHT} [32, 48] needs [1, 1]"),
+    "missing": (lambda t: t.pop(SCALE), f"the FP8 weight {WEIGHT} [32, 48] has no scale tensor {SCALE}; the checkpoint "
+                                        "is incomplete"),
+    "zero": (_scale(torch.zeros_like), f"{SCALE} holds 1 zero of its 1 scales, so those blocks would load as all-zero"),
+    "negative": (_scale(torch.neg), f"{SCALE} holds 1 negative of its 1 scales, so those blocks would load as "
+                                    "sign-flipped"),
+    "nan": (_scale(lambda s: torch.full_like(s, float("nan"))), f"{SCALE} holds 1 NaN of its 1 scales"),
+    "infinite": (_scale(lambda s: torch.full_like(s, float("inf"))), f"{SCALE} holds 1 infinite of its 1 scales"),
+    "int32": (_scale(lambda s: s.to(torch.int32)), f"{SCALE} is I32, not a float type that holds a scale"),
+    "float8": (_scale(lambda s: s.to(FP8)), f"{SCALE} is F8_E4M3, not a float type that holds a scale"),
+    "scale-of-a-bf16-weight": (lambda t: t.update({"model.norm.weight_scale_inv": torch.ones(1, 1)}),
+                               "model.norm.weight_scale_inv scales no float8 weight (its weight is F32 [32])"),
+}
+
+
+@pytest.mark.parametrize("name", DAMAGED_SCALES)
+def test_a_damaged_scale_tensor_is_refused_by_name_before_weights_load(dirs, tmp_path, capfd, name):
+    """Each of these loaded before without a word (NaN, infinite, zero, sign-flipped or rescaled weights) or
+    failed inside transformers' loader with a traceback (a scale beside a bf16 weight); now the message names
+    the tensor and its file, and the weights never load."""
+    change, words = DAMAGED_SCALES[name]
+    bad = _with_tensors(dirs[1], tmp_path / "bad", change)
+    capfd.readouterr()
+    with pytest.raises(TargetError) as refused:
         Target.load(bad)
+    message = str(refused.value)
+    assert message.startswith(f"{bad / 'model.safetensors'}: ") and words in message, message
+    assert message.endswith("write it again from the bf16 checkpoint (dflash fp8-write BF16_DIR FP8_DIR), or download "
+                            "it again")
+    assert "Loading weights" not in capfd.readouterr().err
+
+
+def test_a_bfloat16_scale_tensor_loads_as_its_float32_value(dirs, tmp_path):
+    """bfloat16 is a float type that holds a scale: the weights load as the fp8 values x those scales."""
+    bad = _with_tensors(dirs[1], tmp_path / "bf16-scale", _scale(lambda s: s.to(torch.bfloat16)))
+    loaded = Target.load(bad)
+    t = _tensors(bad)
+    want = dequantize_weight(t[WEIGHT], t[SCALE].float())
+    torch.testing.assert_close(dict(loaded.model.named_parameters())[WEIGHT], want, rtol=0, atol=0)
+
+
+def test_dflash_train_on_an_fp8_target_with_a_zero_scale_exits_5_naming_it(tmp_path, capsys):
+    from dflash.cli import train_main
+    from tests.support.bad_input import assert_clear_failure
+    from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
+
+    fp8 = tmp_path / "fp8"
+    write_fp8_checkpoint(save_chat_target(tmp_path / "bf16"), fp8)
+    target = _with_tensors(fp8, tmp_path / "target", _scale(torch.zeros_like))
+    code = train_main(train_args(target, write_chat_jsonl(tmp_path / "chat.jsonl", n=4), tmp_path / "out"))
+    err = capsys.readouterr().err
+    assert_clear_failure(code, 5, err, [f"{target / 'model.safetensors'}: {SCALE} holds 1 zero", "dflash fp8-write"])
+    assert "Loading weights" not in err
 
 
 def test_the_writer_refuses_an_existing_output_and_a_quantised_source(dirs, tmp_path):
