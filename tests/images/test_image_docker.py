@@ -21,7 +21,7 @@ FAST_HEALTH = {"test": ["CMD", "dflash", "healthcheck"], "interval": 2_000_000_0
                "retries": 1, "start_period": 30_000_000_000}
 # The checks' verdicts are under test here, not their speed: a 120 s limit per check (the image's own is 20 s)
 # and up to 10 min for the verdict, so a doctor run on a machine busy with the other test worker is never cut
-# off and read as its verdict (at a load of 8 on 2 cores two of these tests ran out of a 4 min wait).
+# off and read as its verdict (at a load of 8 on 2 cores two of these tests failed with a 4 min wait).
 
 
 def client():
