@@ -80,6 +80,6 @@ def run_cli(prog: str, body: Callable[[], int], interrupted: str = "interrupted"
     except KeyboardInterrupt:
         print(f"{prog}: {interrupted}", file=sys.stderr)
         return EXIT_SIGINT
-    finally:
-        if previous is not None:
+    finally:  # what the body set for itself stays (a stopped training rank ignores SIGTERM until it exits)
+        if previous is not None and signal.getsignal(signal.SIGTERM) is _raise_terminated:
             signal.signal(signal.SIGTERM, previous)

@@ -165,6 +165,15 @@ def any_rank(d: Dist, flag: bool) -> bool:
     return bool(t.item() > 0)
 
 
+def max_over_ranks(d: Dist, value: int) -> int:
+    """The largest of every rank's `value` (small whole numbers: a stop status), on every rank."""
+    if not d.enabled:
+        return value
+    t = torch.tensor([float(value)], device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.group)
+    return int(t.item())
+
+
 def shard(items: list, d: Dist) -> list:
     """This rank's share of one global micro-batch: items rank, rank+W, rank+2W, ...
 

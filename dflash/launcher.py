@@ -5,12 +5,14 @@ Plain `torchrun` turns any worker's failure into its own traceback (ChildFailedE
 scheduler cannot tell a refused option (2) from a lost rank (11) or a stopped run (143). This is the same
 launch (torch.distributed.run's parser and elastic agent, `--standalone`: one node, a free port), with
 the first failing worker's code as the launcher's: a code of its own, or 128 + the signal that killed
-it. The workers are `python -m dflash.cli train` with the remaining arguments, as under torchrun.
+it; one line names every rank that did not exit 0, with its code (torchrun's own line names the first).
+The workers are `python -m dflash.cli train` with the remaining arguments, as under torchrun.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 NPROC_FLAG = "--nproc-per-node"
 
@@ -44,6 +46,15 @@ def exit_code_of(failure) -> int:
     return 128 - code if code < 0 else code
 
 
+def exits_text(failures: dict, first: int) -> str:
+    """The ranks that did not exit 0 with their codes (as exit_code_of counts them), the first one first: a
+    stopped run shows every rank stopped, a crash which rank went first."""
+    if len(failures) == 1:
+        return f"rank {first} exited with {exit_code_of(failures[first])}"
+    rest = ", ".join(f"rank {r} with {exit_code_of(failures[r])}" for r in sorted(failures) if r != first)
+    return f"rank {first} exited with {exit_code_of(failures[first])} first, then {rest}"
+
+
 def launch(nproc: int, train_argv: list[str]) -> int:
     """Start `nproc` training processes on this machine and wait; returns the run's exit code (0, or the
     first failing worker's)."""
@@ -58,7 +69,8 @@ def launch(nproc: int, train_argv: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as exc:  # the workers have said why; the code is the first one's
-        _rank, failure = exc.get_first_failure()
+        rank, failure = exc.get_first_failure()
+        print(f"dflash-train: {exits_text(exc.failures, rank)}", file=sys.stderr, flush=True)
         return exit_code_of(failure)
     except SignalException as exc:  # the launcher itself got SIGTERM/SIGINT: the workers got it too
         return 128 + int(exc.sigval)

@@ -126,13 +126,14 @@ def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: d
     the ranks learn whether any has `stop` set (a signal: one all-reduce); then all of them end the
     evaluation there and it returns None, as the training loop ends a run after its step."""
     was_training, model = drafter.training, config.model
+    stop = stop if stop is not None else StopFlag()  # a flag no signal sets: it can only learn another rank's
     drafter.eval()
     totals = torch.zeros(4 + 4 * (model.block_size - 1), device=d.device)
     try:
         for n, (share, batch, anchors) in enumerate(_rounds(config, items, d, pad_id, packed)):
-            if distributed.any_rank(d, bool(stop)):
+            if stop.agreed(d):
                 log.warning("evaluation stopped by %s after %d of its micro-batches; no record of it",
-                            (stop and stop.reason) or "another rank", n)
+                            stop.describe(), n)
                 return None
             sums = micro_batch_sums(drafter, target, batch, anchors, block_size=model.block_size,
                                     gamma=model.gamma, autocast_dtype=autocast_dtype,

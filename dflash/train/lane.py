@@ -190,7 +190,7 @@ class Lane:
         result.step = self.step
         result.exit_code = stop.exit_code if result.stopped_by else 0
         if result.stopped_by:
-            log.warning("stopped by %s at step %d; continue with --resume", result.stopped_by, self.step)
+            log.warning("stopped by %s at step %d; continue with --resume", stop.describe(), self.step)
         elif self.d.is_main:
             dtype = torch.bfloat16 if self.config.model.drafter_dtype == "bf16" else torch.float32
             ckpt.export_drafter(result.checkpoint, self.run_dir.drafter, dtype)

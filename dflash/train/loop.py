@@ -200,8 +200,8 @@ class TrainingLoop:
                 bar.set_postfix({name: f"{m['loss']:.3f}" for name, m in records.items()})
             if self.on_step and self.on_step(self.step, records):
                 self.stop.request("request")
-            if distributed.any_rank(d, bool(self.stop)):
-                result.stopped_by = self.stop.reason or "another rank"
+            if self.stop.agreed(d):  # a signal on any rank stops every rank, with its exit code
+                result.stopped_by = self.stop.reason
                 break
             if runtime.save_every and self.step % runtime.save_every == 0 and self.step < self.total_steps:
                 self._save()

@@ -22,7 +22,9 @@ One micro-batch (each drafter rank j holds its share of the global micro-batch, 
                                any rank stops the whole run the same way (checkpoint, then exit 143 / 130)
 The stages serve the drafter ranks in rank order, micro-batch after micro-batch; sends are
 torch.distributed point-to-point (isend/irecv, completed before the next share), nothing else is
-shared. When training ends (or stops) every drafter rank sends a header [0, 0]: the stages return.
+shared. When training ends (or stops) every drafter rank sends a header [0, 0, status] (its stop status:
+0, or the exit code of the signal that stopped the run) and the stages return, a stopped run's with that
+code (a stage rank of a run stopped by a drafter rank's SIGTERM exits 143 too, not 0).
 """
 
 from __future__ import annotations
@@ -134,8 +136,9 @@ def serve_stage(stage_target: StageTarget, rank_of_stage: list[int], drafter_ran
             head = _header(0, 0).to(comm)
             dist.recv(head, src=j)
             B, T, S = (int(x) for x in head.tolist())
-            if B == 0:
+            if B == 0:  # [0, 0, status]: that drafter rank is done, stopped by a signal when status says so
                 done.add(j)
+                stop.adopt(S)
                 continue
             ids = torch.empty(B, T, dtype=torch.long, device=comm)
             attn = torch.empty(B, T, dtype=torch.long, device=comm)
@@ -210,9 +213,9 @@ class PipelinedTarget:
         return torch.cat(parts, dim=-1).to(self._device)
 
     def close(self) -> None:
-        """Tell every stage this drafter rank is done."""
+        """Tell every stage this drafter rank is done, and whether a signal stopped it."""
         for r in self._rank_of_stage:
-            dist.send(_header(0, 0).to(self._comm), dst=r)
+            dist.send(_header(0, 0, self._stop.status()).to(self._comm), dst=r)
 
 
 def place(config, d, load, load_items, stop):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from dflash.train.records import checkpoint as ckpt
 from dflash.train.records.rundir import RunDir
 from tests.support.bad_input import assert_clear_failure
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
+from tests.support.torchrun_job import TorchrunJob, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 SHARD = dict(layout="shard", max_steps=3, save_every=2, drafter_layers=2, target_layer_ids="1,2")
@@ -95,47 +96,21 @@ def test_a_full_disk_during_a_sharded_save_says_free_space(sharded_run, tmp_path
     assert not [p for p in RunDir(out).checkpoints.iterdir() if p.name.startswith(".tmp-")]
 
 
-def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
-    """The pid of torchrun's worker with RANK=rank (read from /proc: the launcher's children)."""
-    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
-    for pid in children.read_text().split() if children.exists() else []:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return int(pid)
-    return None
-
-
-def _signal_rank_mid_run(tmp_path: Path, argv: list[str], rank: int, sig: signal.Signals) -> tuple[Path, int]:
-    """Launch 2 gloo processes under torchrun (each rank's output in logs/.../<rank>/stderr.log), send `sig`
-    to `rank` once two steps are in metrics.jsonl; returns the log folder (torchrun's own output in
-    torchrun.txt there) and torchrun's exit code."""
-    out, logs = Path(argv[argv.index("--out") + 1]), tmp_path / "logs"
-    logs.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_HEARTBEAT": str(tmp_path / "heartbeat")}
-    with open(logs / "torchrun.txt", "w") as own:
-        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     "--nproc-per-node=2", "--log-dir", str(logs), "--redirects", "3",
-                                     "-m", "dflash.cli", "train", *argv],
-                                    cwd=REPO, env=env, stdout=own, stderr=subprocess.STDOUT)
+def _signal_rank_mid_run(tmp_path: Path, argv: list[str], rank: int, sig: signal.Signals,
+                         launcher: bool = False) -> tuple[TorchrunJob, int]:
+    """Launch 2 gloo processes (torchrun running tests.support.dflash_rank, or dflash-train --nproc-per-node 2),
+    send `sig` to `rank` once two steps are in metrics.jsonl; returns the job and the launcher's exit code."""
+    out = Path(argv[argv.index("--out") + 1])
+    job = TorchrunJob.start(tmp_path, argv, launcher=launcher)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (RunDir(out).metrics.exists() and
-                                                   len(RunDir(out).metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.2)
-        victim = _rank_pid(launcher, rank)
-        assert victim, f"rank {rank} did not start training in time"
+        wait_for(lambda: RunDir(out).metrics.exists() and len(RunDir(out).metrics.read_text().splitlines()) >= 2
+                 or job.process.poll() is not None, "two training steps", seconds=300)
+        victim = job.ranks().get(rank)
+        assert victim, f"rank {rank} did not start training in time: {job.output()[-3000:]}"
         os.kill(victim, sig)
-        return logs, launcher.wait(timeout=180)
+        return job, job.wait(180)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-
-
-def _rank_log(logs: Path, rank: int) -> str:
-    return next(logs.rglob(f"{rank}/stderr.log")).read_text()
+        job.kill()
 
 
 @pytest.mark.slow  # one torchrun launch of 2 gloo processes, one of them killed mid-run (about 40 s)
@@ -144,36 +119,64 @@ def test_a_killed_rank_is_named_by_the_survivor_without_a_traceback(tmp_path):
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=20)
     out = tmp_path / "run"
     argv = train_args(target, data, out, layout="shard", max_steps=10_000, epochs=0, save_every=0)
-    logs, code = _signal_rank_mid_run(tmp_path, argv, 1, signal.SIGKILL)
+    job, code = _signal_rank_mid_run(tmp_path, argv, 1, signal.SIGKILL)
     assert code != 0
-    survivor = _rank_log(logs, 0)
+    survivor = job.rank_log(0)
     assert "Traceback" not in survivor, survivor[-4000:]
     assert "rank 0 lost another process of the run at step" in survivor
     assert "stopped: rank 0 lost another process" in RunDir(out).log.read_text()
 
 
-@pytest.mark.slow  # one torchrun launch of 2 gloo processes (a drafter rank and a target stage), about 40 s
-def test_sigterm_to_a_pipeline_stage_rank_stops_the_whole_run_with_a_checkpoint(tmp_path):
+@pytest.mark.slow  # one torchrun launch of 2 gloo processes (a drafter rank and a target stage), about 40 s each
+@pytest.mark.parametrize("signalled", [1, 0], ids=["stage-rank", "drafter-rank"])
+def test_sigterm_to_one_rank_of_a_pipeline_stops_the_whole_run_with_a_checkpoint_and_143(tmp_path, signalled):
     """The stage rank holds no training loop: its signal goes to the drafter rank with the next share, which
-    finishes the step, checkpoints and stops; both ranks exit 143 (torchrun reports the run as stopped)."""
+    finishes the step, checkpoints and stops. The drafter rank's signal goes to the stage with the last
+    header (the stage used to exit 0 then: a scheduler read the stopped run's stage as finished). Both ranks
+    exit 143 either way."""
     target = save_chat_target(tmp_path / "target")
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=20)
     out = tmp_path / "run"
     argv = train_args(target, data, out, layout="pipeline", target_stages=1, max_steps=10_000, epochs=0,
                       save_every=0, target_layer_ids="1,2")
-    logs, code = _signal_rank_mid_run(tmp_path, argv, 1, signal.SIGTERM)
+    job, code = _signal_rank_mid_run(tmp_path, argv, signalled, signal.SIGTERM)
     assert code != 0
-    drafter_rank, stage_rank = _rank_log(logs, 0), _rank_log(logs, 1)
-    for text in (drafter_rank, stage_rank):
+    drafter_rank, stage_rank = job.rank_log(0), job.rank_log(1)
+    for rank, text in enumerate((drafter_rank, stage_rank)):
         assert "Traceback" not in text, text[-4000:]
-    assert "SIGTERM received by target stage rank 1" in drafter_rank
+        assert f"rank {rank}: dflash exit 143" in text, text[-3000:]
+    assert job.exits() == {0: 143, 1: 143}, job.output()[-3000:]  # what torchrun (a scheduler) sees
+    if signalled == 1:
+        assert "SIGTERM received by target stage rank 1" in drafter_rank
     log = RunDir(out).log.read_text()
     stopped = [line for line in log.splitlines() if "stopped by SIGTERM at step" in line]
     assert stopped, log[-3000:]
     step = int(stopped[0].split("at step ")[1].split(";")[0])
     assert 2 <= step < 10_000
     assert ckpt.latest_checkpoint(RunDir(out).checkpoints).name == ckpt.step_dir_name(step)
-    assert "exitcode: 143" in (logs / "torchrun.txt").read_text()  # torchrun's line for the first rank to end
+
+
+@pytest.mark.slow  # one launch of 2 gloo processes (about 60 s on a loaded 2-core machine)
+def test_sigterm_to_one_rank_ends_every_rank_and_the_launcher_with_143(tmp_path):
+    """dflash-train --nproc-per-node 2, SIGTERM to rank 1 mid-run: rank 0, stopped by it at the same step,
+    used to exit 0 ("stopped by another rank"), and torchrun's agent then ended it by SIGTERM while it still
+    wrote its report. Every rank now takes the signal as its own and exits 143; the launcher too, and it
+    names every rank's code."""
+    target = save_chat_target(tmp_path / "target")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=20)
+    out = tmp_path / "run"
+    argv = train_args(target, data, out, layout="shard", max_steps=10_000, epochs=0, save_every=0)
+    job, code = _signal_rank_mid_run(tmp_path, argv, 1, signal.SIGTERM, launcher=True)
+    text = job.output()
+    assert code == 143, text[-3000:]
+    assert re.search(r"dflash-train: rank [01] exited with 143 first, then rank [01] with 143", text), text[-3000:]
+    assert "Traceback" not in text
+    log = RunDir(out).log.read_text()  # rank 0's
+    stopped = [line for line in log.splitlines() if "stopped by SIGTERM received by another rank at step" in line]
+    assert stopped and "continue with --resume" in stopped[0], log[-3000:]
+    step = int(stopped[0].split("at step ")[1].split(";")[0])
+    assert ckpt.latest_checkpoint(RunDir(out).checkpoints).name == ckpt.step_dir_name(step)
+    assert (RunDir(out).root / "report" / "report.md").is_file()
 
 
 @pytest.mark.slow  # one launch of 2 gloo processes, refused before the target loads (about 20 s)

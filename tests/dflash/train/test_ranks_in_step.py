@@ -121,7 +121,7 @@ def launched(files):
     root = files["root"] / "runs"
     phases = [{"world": world, "runs": [{"name": name, "argv": _argv(files, root / str(world) / name, options)}
                                         for name, options in cases]} for world, cases in CASES.items()]
-    phases[1]["runs"].append({"name": SIGTERM_CASE, "sigterm_rank": 1, "exit": {"1": 143}, "argv": _argv(
+    phases[1]["runs"].append({"name": SIGTERM_CASE, "sigterm_rank": 1, "exit": {"0": 143, "1": 143}, "argv": _argv(
         files, root / "2" / SIGTERM_CASE, dict(layout="shard", packing="off", max_steps=4), eval_data="six")})
     phases.append({"world": 1, "runs": [{"name": name, "argv": _argv(files, root / "1" / name, options)}
                                         for name, options in ALONE]})
@@ -208,14 +208,14 @@ def test_every_rank_runs_every_micro_batch_of_training_and_evaluation(launched, 
 def test_sigterm_during_an_evaluation_stops_the_run_as_during_a_step(launched):
     """Rank 1 takes SIGTERM in the first micro-batch of the step-2 evaluation (3 micro-batches of 2 sequences):
     every rank ends the evaluation before the next one and writes no record of it, checkpoints step 2 and stops,
-    rank 1 with exit 143, as after a signal during a step."""
+    every rank with exit 143 (rank 0 exited 0: a stop by another rank's signal), as after a signal during a step."""
     folder, done = launched
     exits = {rank: runs.get(SIGTERM_CASE) for rank, runs in done[2].items()}
-    assert exits == {0: 0, 1: 143}, f"{exits}\n{_logs(folder, 2)}"
+    assert exits == {0: 143, 1: 143}, f"{exits}\n{_logs(folder, 2)}"
     out = folder / "2" / SIGTERM_CASE
     assert [(m["split"], m["step"]) for m in read_metrics(out)] == [("train", 1), ("train", 2)]
     assert ckpt.read_latest(RunDir(out).checkpoints) == ckpt.step_dir_name(2)
     assert not RunDir(out).drafter.exists()
     log = RunDir(out).log.read_text()
-    assert "evaluation stopped by another rank after 1 of its micro-batches" in log, log[-3000:]
-    assert "stopped by another rank at step 2" in log
+    assert "evaluation stopped by SIGTERM received by another rank after 1 of its micro-batches" in log, log[-3000:]
+    assert "stopped by SIGTERM received by another rank at step 2; continue with --resume" in log
