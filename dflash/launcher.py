@@ -6,7 +6,10 @@ scheduler cannot tell a refused option (2) from a lost rank (11) or a stopped ru
 launch (torch.distributed.run's parser and elastic agent, `--standalone`: one node, a free port), with
 the first failing worker's code as the launcher's: a code of its own, or 128 + the signal that killed
 it; one line names every rank that did not exit 0, with its code (torchrun's own line names the first).
-The workers are `python -m dflash.cli train` with the remaining arguments, as under torchrun.
+The workers are `python -m dflash.cli train` with the remaining arguments, as under torchrun. A SIGTERM
+to the launcher reaches every worker (each finishes its step, checkpoints and exits 143, within the
+30 s torchrun's agent gives them before SIGKILL); a SIGKILL of the launcher reaches them as SIGTERM too
+(dflash.train.signals), so no worker trains on without it.
 """
 
 from __future__ import annotations

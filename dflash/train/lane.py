@@ -83,6 +83,7 @@ class Lane:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, optim.warmup_ratio))
         self.step = 0
+        self.saved: tuple[int, Path | None] | None = None  # (step, path) of the checkpoint this process wrote last
         # metrics.jsonl, log, trackers, evaluation: told what it needs once, then handed each step's record
         evaluate = SplitEvaluator(config, self.drafter, target, eval_items, d, self.pad_id,
                                   self.autocast_dtype, self.packed, stop) if eval_items else None
@@ -139,6 +140,7 @@ class Lane:
         if path is not None:
             log.info("checkpoint %s", path)
         distributed.barrier(self.d)
+        self.saved = (self.step, path)
         return path
 
     # --- one micro-batch ---------------------------------------------------------------------------
@@ -186,7 +188,8 @@ class Lane:
 
     def _finish(self, result: TrainResult, stop: StopFlag) -> None:
         """The lane's end: last checkpoint, the exported drafter (when not stopped), the monitor closed."""
-        result.checkpoint = self.save()
+        # a stop right after a checkpoint (a signal while it was written) ends on it: no second copy of the step
+        result.checkpoint = self.saved[1] if self.saved and self.saved[0] == self.step else self.save()
         result.step = self.step
         result.exit_code = stop.exit_code if result.stopped_by else 0
         if result.stopped_by:

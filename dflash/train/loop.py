@@ -200,11 +200,14 @@ class TrainingLoop:
                 bar.set_postfix({name: f"{m['loss']:.3f}" for name, m in records.items()})
             if self.on_step and self.on_step(self.step, records):
                 self.stop.request("request")
-            if self.stop.agreed(d):  # a signal on any rank stops every rank, with its exit code
+            stopping = self.stop.agreed(d)  # a signal on any rank stops every rank, with its exit code
+            if not stopping and runtime.save_every and self.step % runtime.save_every == 0 \
+                    and self.step < self.total_steps:
+                self._save()
+                stopping = self.stop.agreed(d)  # a signal while it was written: that checkpoint is the last
+            if stopping:
                 result.stopped_by = self.stop.reason
                 break
-            if runtime.save_every and self.step % runtime.save_every == 0 and self.step < self.total_steps:
-                self._save()
         bar.close()
         for name, lane in self.lanes.items():
             lane_result = result.results[name]

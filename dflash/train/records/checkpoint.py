@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import random
 import shutil
@@ -34,6 +35,8 @@ from dflash.config import TrainConfig
 from dflash.errors import CheckpointError, TrainError
 from dflash.io.drafter_dir import load_drafter, save_drafter
 from dflash.train.records.manifest import WRITTEN_KEY, write_manifest
+
+log = logging.getLogger("dflash.train")
 
 STATE_FILE = "trainer_state.pt"
 FORMAT_VERSION = 1
@@ -132,11 +135,17 @@ def export_drafter(checkpoint: Path, dest: Path, dtype: torch.dtype = torch.bflo
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Drop the oldest checkpoints beyond `keep` (never the one `latest` names), and what a killed run left
+    half-written: its hidden temp dirs (a sharded one holds GBs of shards). Called right after a publish, so
+    this run has none of its own in flight; the run's lock keeps any other run out of this directory."""
     done = sorted(p for p in root.glob("step-*") if p.is_dir())
     latest = read_latest(root)
     for p in done[:-keep] if keep > 0 else []:
         if p.name != latest:
             shutil.rmtree(p, ignore_errors=True)
+    for left in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
+        shutil.rmtree(left, ignore_errors=True)
+        log.info("removed %s: a checkpoint write that a killed run did not finish", left)
 
 
 # --- reading ---------------------------------------------------------------------------------------
