@@ -242,9 +242,28 @@ def read_records(source: Source, work_dir: Path, num_proc: int = 1, max_length: 
         cause = exc.__cause__
         while cause is not None and not isinstance(cause, DataError):
             cause = cause.__cause__ or cause.__context__
-        raise (cause or exc) from None
+        if cause is None:  # not the data's fault (a full disk under the Arrow writer): keep what lies beneath
+            raise
+        raise cause from None
     except ValueError as exc:  # datasets: 'Instruction "train" corresponds to no data!'
         if "no data" not in str(exc):
             raise
         raise DataError(f"{source.path} holds no record (its files are empty or blank); pass a chat JSONL with "
                         'one {"messages": [...]} conversation per line, or JSON / Parquet holding them') from None
+
+
+def first_records(source: Source, n: int, max_length: int) -> list[str]:
+    """The raw JSON text of the first `n` readable records of `source`, read without writing anything (a
+    sample: dflash.data.cache_space measures the tokens per byte of data on it)."""
+    from itertools import islice
+
+    if source.kind == "saved":
+        from datasets import load_from_disk
+
+        saved = load_from_disk(str(source.path))
+        saved = saved["train"] if hasattr(saved, "keys") else saved
+        column = _conversation_column(saved.column_names, source.path)
+        return [json.dumps({"messages": row[column]}, ensure_ascii=False, default=str)
+                for row in saved.select(range(min(n, len(saved))))]
+    records = _shard_records([str(s) for s in source.shards], max_length)
+    return [r["raw"] for r in islice((r for r in records if not r["error"]), n)]

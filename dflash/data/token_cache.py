@@ -10,9 +10,10 @@ second run with the same inputs starts training without tokenising anything, and
 another tokenizer (another chat template included) is never reused: its key differs, it is rebuilt.
 
 A build writes into a temporary directory beside the final one (".<key>.tmp-<host>-<pid>-<random>") and
-renames it when complete, so a crashed build leaves no half cache: an error, Ctrl-C or SIGTERM removes
-it on the way out, and one left by a process killed outright (SIGKILL, an abort, a power cut) is removed
-by the next build on the same host, once its process is gone. A record too long for --max-length
+renames it when complete, so a crashed build leaves no half cache: an error (a full disk included:
+dflash.data.cache_space names the space it needs), Ctrl-C or SIGTERM removes it on the way out, and one
+left by a process killed outright (SIGKILL, an abort, a power cut) is removed by the next build on the same
+host, once its process is gone. A record too long for --max-length
 (dflash.data.sources.max_record_bytes) is never tokenised: it is counted ("too_long"), or fatal with
 --on-bad-line stop. Under torchrun, rank 0 builds (or finds) the cache while the other
 ranks wait on a barrier (the process group's timeout: 30 min), then every rank reads the same files;
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 
 from dflash import distributed
+from dflash.data import cache_space
 from dflash.data.chat import CONVERSATION_RULES_VERSION, DataReport, bad_record_reason, parse_conversation
 from dflash.data.sources import content_fingerprint, find_source, max_record_bytes, read_records
 from dflash.errors import DataError, TrainError
@@ -330,7 +332,13 @@ def load_tokenized(config, tokenizer) -> TokenizedItems:
         else:
             start = time.perf_counter()
             log.info("tokenising %s into %s", config.io.data, final)
-            build(config, tokenizer, final, inputs)
+            before = cache_space.room(final.parent)
+            try:
+                build(config, tokenizer, final, inputs)
+            except Exception as exc:  # a full disk: say where, how much and what to do (no traceback)
+                if (full := cache_space.full_disk_cause(exc)) is None:
+                    raise
+                raise cache_space.full_disk_error(full, final, config, tokenizer, before) from None
             log.info("tokenised in %.1f s", time.perf_counter() - start)
     distributed.barrier(d)
     if not (final / "record.json").is_file():

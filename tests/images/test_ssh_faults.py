@@ -30,6 +30,7 @@ from images.imageinfo import ImageInfo
 from loopback import sshd
 from tests.support.bad_input import assert_clear_failure
 from tests.support.pct_double import DOUBLE_DIR, start_host
+from tests.support.small_disk import small_disk as tmpfs
 
 pytestmark = pytest.mark.ssh
 
@@ -242,13 +243,8 @@ def test_a_host_that_stalls_mid_upload_is_given_up_and_the_partial_resumes(serve
 @pytest.fixture
 def small_disk(tmp_path):
     """A 96 MB tmpfs at tmp_path/disk (root only)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+    with tmpfs(tmp_path / "disk", "96m") as disk:
+        yield disk
 
 
 def test_a_disk_that_fills_mid_upload_names_the_path_and_the_space_and_keeps_the_partial(server, small_disk, tmp_path):

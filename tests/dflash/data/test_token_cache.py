@@ -4,6 +4,7 @@ nothing, another tokenizer rebuilds), the evaluation split, rank sharing, and ba
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,52 @@ def test_second_training_run_starts_without_tokenising(tmp_path, count_tokenised
     assert len(count_tokenised) == 16  # all by the first run; the cache beside --out served the second
     assert steps == [("a", 1), ("b", 1)]
     assert len(list((tmp_path / "tokenized-cache").iterdir())) == 1
+
+
+def test_the_space_estimate_covers_the_built_cache(tmp_path, tokenizer):
+    """cache_space's estimate of a build's peak holds at least the finished cache (its peak holds more: the
+    raw records and a second copy of the tokens) and stays within 4 times it."""
+    from dflash.data import cache_space
+
+    data = _jsonl(tmp_path / "chat.jsonl", _conversations(200))
+    config = _config(tmp_path, data)
+    load_tokenized(config, tokenizer)
+    built = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    need, tokens = cache_space.needed_bytes(config, tokenizer)
+    assert built < need < 4 * built + (256 << 10)
+    assert tokens > 0
+
+
+@pytest.mark.slow  # three builds of the token cache and a short run (about 30 s; minutes on a loaded machine)
+def test_a_full_disk_while_the_cache_is_built_names_the_cache_the_space_and_the_fix(tmp_path, capsys):
+    """The token cache on a 4 MiB tmpfs with 256 KiB left; its build needs about 1.1 MiB. It said "writing the
+    run's files in <--out> failed ... point --out at a larger one" (the cache is not in --out), or, when the
+    disk filled while the records were read, ended in datasets' DatasetGenerationError traceback (exit 1)."""
+    from dflash.cli import train_main
+    from tests.support.dflash_train_fixtures import drop_run_log_handlers, save_chat_target, train_args, write_chat_jsonl
+    from tests.support.small_disk import fill, small_disk
+
+    target = save_chat_target(tmp_path / "target")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=600)
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        filler = fill(disk, leave=256 << 10)
+        cache = disk / "cache"
+        argv = train_args(target, data, tmp_path / "run", max_steps=1, data_cache=str(cache))
+        code = train_main(argv)
+        err = capsys.readouterr().err
+        drop_run_log_handlers()
+        assert code == 4 and "Traceback" not in err, err[-3000:]
+        message = next(line for line in err.splitlines() if "error:" in line)
+        for words in (f"the tokenised data cache {cache} ran out of space", "No space left on device",
+                      "tokens); that disk had 256.0 KiB free of 4.0 MiB when the build began", "--data-cache DIR",
+                      "then run again"):
+            assert words in message, message
+        need = float(re.search(r"needs about ([\d.]+) MiB there", message)[1])
+        assert 0.8 < need < 2, message  # the build of these 600 conversations needs 0.8 to 1.0 MB (measured)
+        assert [p.name for p in cache.iterdir()] == []  # nothing a later run could take for a cache
+        filler.unlink()  # room again: the next run builds the cache and trains
+        assert train_main(argv) == 0
+        drop_run_log_handlers()
+        assert [p.name for p in cache.iterdir() if (p / "record.json").is_file()] == [
+            p.name for p in cache.iterdir()]
+        assert "tokenising" in capsys.readouterr().err
