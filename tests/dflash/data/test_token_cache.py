@@ -139,8 +139,9 @@ def test_unreadable_shard_and_non_conversation_column_are_named(tmp_path, tokeni
     datasets.Dataset.from_list([{"prompt": "q", "response": "a"}]).to_parquet(str(flat))
     with pytest.raises(DataError, match=r"flat\.parquet: no conversation column \(columns: prompt, response\)"):
         load_tokenized(_config(tmp_path, flat), tokenizer)
+    (tmp_path / "x.csv").write_text("a")
     with pytest.raises(DataError, match="unknown data format '.csv'"):
-        load_tokenized(_config(tmp_path, tmp_path / "x.csv"), tokenizer) if (tmp_path / "x.csv").write_text("a") else 0
+        load_tokenized(_config(tmp_path, tmp_path / "x.csv"), tokenizer)
 
 
 def test_eval_split_by_fraction_and_by_file(tmp_path, tokenizer):
