@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_length_mix import chat_mix, items_of  # noqa: E402
+from bench_length_mix import LEVERS, chat_mix, items_of, undo_levers  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
 from dflash.kinds import DEFAULT, names  # noqa: E402
 from dflash.model.fp8 import pick_gemm, quantize_model, use_fp8_gemm  # noqa: E402
@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--pack-anchors", type=int, default=None, help="anchors per row (default 1024 GPU, 64 CPU)")
     p.add_argument("--max-length", type=int, default=None, help="longest sequence (default 4096 GPU, 256 CPU)")
     p.add_argument("--sequences", type=int, default=400)
+    p.add_argument("--without", default="", help=f"step changes to undo ({', '.join(LEVERS)}): a 'before' profile")
     p.add_argument("--json", help="write the analysis here")
     p.add_argument("--trace", help="also write the profiler's chrome trace here (.json.gz)")
     args = p.parse_args(argv)
@@ -205,6 +206,7 @@ def main(argv=None) -> int:
                  scaled_qwen35_shape(256, 4, 4096))
     if args.target_layers:
         shape["layers"] = args.target_layers
+    undo_levers([n for n in args.without.split(",") if n])
     target = random_target(shape, device, torch.bfloat16 if gpu else torch.float32)
     if args.fp8_target:
         quantize_model(target.model, default_modules_to_not_convert(target.model))
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
     stamps, peaks, state = [], [], {}
     result = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "torch": torch.__version__,
               "target_layers": shape["layers"], "fp8_target": args.fp8_target, "kind": args.kind,
-              "pack_tokens": args.pack_tokens, "pack_anchors": args.pack_anchors, "profiled_step": prof_at}
+              "without": args.without, "pack_tokens": args.pack_tokens, "pack_anchors": args.pack_anchors, "profiled_step": prof_at}
 
     def finish() -> None:  # the figures, then out: the trainer's end-of-run checkpoint is not measured
         times = [b - a for a, b in zip([state["start"]] + stamps, stamps)]
