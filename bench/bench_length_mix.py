@@ -54,7 +54,7 @@ from dflash.kinds import DEFAULT, names  # noqa: E402
 from dflash.model.fp8 import pick_gemm, quantize_model, use_fp8_gemm  # noqa: E402
 from dflash.model.fp8_checkpoint import default_modules_to_not_convert  # noqa: E402
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape  # noqa: E402
-from dflash.train.probes.timing import free_memory, sync  # noqa: E402
+from dflash.train.probes.timing import free_memory, matmul_peak, sync  # noqa: E402
 from dflash.train.trainer import train  # noqa: E402
 
 
@@ -105,6 +105,7 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
     drafter and its AdamW state: about 20 GiB and 45 s at the 27B shape, which the benchmark does not measure)."""
     packed = variant == "packed"
     stamps, graphs, peaks, row = [], [], [], {}
+    flops = record_step_flops(target)
 
     def on_step(step, m):
         sync(device)
@@ -115,6 +116,7 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
         print(f"{variant}: step {len(stamps)} took {took:.3f} s, {m['tokens']} tokens", file=sys.stderr, flush=True)
         if len(stamps) == args.steps + args.warmup:
             row.update(step_figures(variant, start, stamps, graphs, peaks if device.type == "cuda" else [], args.warmup))
+            row.update(physical_limit(row, flops, args), without=args.without)
             if on_row:
                 on_row(row)
         return False
@@ -133,6 +135,61 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
     return row or step_figures(variant, start, stamps, graphs, peaks if device.type == "cuda" else [], args.warmup)
 
 
+LEVERS = ("norms", "bounds")
+
+
+def undo_levers(names: list[str]) -> None:
+    """Put back the code before these step changes, for before/after rows in one run (bench/NOTES.md):
+    norms   the target's RMSNorms eager (dflash.model.fused_norms not applied)
+    bounds  a fresh int64 cu_seqlens in every GatedDeltaNet layer (dflash.model.segment_kernels.long_bounds)"""
+    unknown = sorted(set(names) - set(LEVERS))
+    if unknown:
+        raise SystemExit(f"--without {','.join(unknown)}: choose from {', '.join(LEVERS)}")
+    if "norms" in names:
+        import dflash.model.target as target_module
+
+        target_module.compile_norms = lambda model: 0
+    if "bounds" in names:
+        import dflash.model.segment_kernels as segment_kernels
+
+        segment_kernels.long_bounds = lambda cu_seqlens: cu_seqlens.to(torch.long)
+
+
+def record_step_flops(target) -> list[tuple[float, float]]:
+    """Every micro-batch's model FLOPs as the trainer's MFU counter sees them, split into (target forward over
+    the layers a training pass runs, drafter + LM head): a list that fills as training runs."""
+    from dflash.model.flops import target_forward_flops
+    from dflash.train.probes import mfu
+
+    seen: list[tuple[float, float]] = []
+    ran = (max(target.layer_ids) + 1) / target.num_layers  # the pass ends after the last tapped layer
+
+    def count(self, items, anchors):
+        lengths = [int(it["input_ids"].numel()) for it in items]
+        t, d = target_forward_flops(self.target, lengths) * ran, sum(mfu.drafter_and_head_flops(self.dcfg, items, anchors))
+        seen.append((t, d))
+        return t / ran + d
+
+    mfu.StepFlops.__call__ = count
+    return seen
+
+
+def physical_limit(row: dict, flops: list[tuple[float, float]], args) -> dict:
+    """The step's model FLOPs at the bf16 matmul peak measured in this run (the target's at twice it with an
+    FP8 target): the fastest step the card allows, as tokens/s, and the share of it the loop reaches."""
+    peak = getattr(args, "matmul_peak", None)
+    if not peak or not flops:
+        return {}
+    steps = flops[args.warmup:] or flops
+    target_tf = statistics.mean(t for t, _ in steps) / 1e12
+    drafter_tf = statistics.mean(d for _, d in steps) / 1e12
+    floor_s = target_tf / (peak * (2 if args.fp8_target else 1)) + drafter_tf / peak
+    tokens = statistics.mean(row["tokens_per_step"][args.warmup:] or row["tokens_per_step"])
+    return {"card": torch.cuda.get_device_name(), "matmul_peak_tflops": round(peak, 1), "target_tflop_per_step": round(target_tf, 1),
+            "drafter_head_tflop_per_step": round(drafter_tf, 1), "limit_tokens_per_s": round(tokens / floor_s),
+            "fraction_of_limit": round(row["useful_tokens_per_s"] * floor_s / tokens, 4)}
+
+
 def step_figures(variant: str, start: float, stamps: list[tuple[float, int]], graphs: list[int], peaks: list[float],
                  warmup: int) -> dict:
     """A variant's row from its steps' (end time, tokens), graph counts and GPU peaks (none on a CPU)."""
@@ -149,13 +206,19 @@ def step_figures(variant: str, start: float, stamps: list[tuple[float, int]], gr
 
 
 def report(rows: list[dict], fixed: float | None) -> str:
-    lines = [f"{'variant':<7} {'useful tok/s':>12} {'recompiles':>10} {'median s':>9} {'max s':>8} {'max/med':>8} "
+    w = max([7] + [len(r["variant"]) for r in rows])
+    lines = [f"{'variant':<{w}} {'useful tok/s':>12} {'recompiles':>10} {'median s':>9} {'max s':>8} {'max/med':>8} "
              f"{'peak GiB':>9}"]
     for r in rows:
         peak = f"{r['peak_memory_gib']:.1f}" if "peak_memory_gib" in r else "-"
-        lines.append(f"{r['variant']:<7} {r['useful_tokens_per_s']:>12.0f} {r['recompiles_after_first_step']:>10} "
+        lines.append(f"{r['variant']:<{w}} {r['useful_tokens_per_s']:>12.0f} {r['recompiles_after_first_step']:>10} "
                      f"{r['median_step_s']:>9.3f} {r['max_step_s']:>8.3f} {r['max_step_s'] / r['median_step_s']:>8.2f} "
                      f"{peak:>9}")
+    for r in rows:
+        if "fraction_of_limit" in r:
+            lines.append(f"{r['variant']}: {r['target_tflop_per_step'] + r['drafter_head_tflop_per_step']:.0f} TFLOP a step "
+                         f"(target {r['target_tflop_per_step']:.0f}), bf16 matmul peak {r['matmul_peak_tflops']:.0f} TFLOP/s: "
+                         f"limit {r['limit_tokens_per_s']} tokens/s, reached {r['fraction_of_limit']:.1%}")
     by = {r["variant"]: r for r in rows}
     if {"padded", "packed"} <= by.keys():
         lines.append(f"packed / padded useful tokens/s: "
@@ -181,6 +244,22 @@ def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
+def wait_for_gpu_memory(limit_mib: int = 2048, timeout: float = 60.0) -> None:
+    """Wait until the GPU's used memory is under `limit_mib` (nvidia-smi), at most `timeout` seconds: a
+    stopped child's memory is released some seconds after it is gone, and a variant started at once ran out
+    of memory at the 27B shape beside it (bench/NOTES.md). Returns at once where nvidia-smi is missing."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            if max(int(x) for x in out.split()) < limit_mib:
+                return
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return
+        time.sleep(1)
+
+
 def run_in_child(argv: list[str], variant: str) -> dict:
     """One variant in a child process of its own (this script, the same flags); its row, or its failure. The
     child writes its row when its last step ends; it is then stopped with every process it started (inductor's
@@ -197,6 +276,7 @@ def run_in_child(argv: list[str], variant: str) -> dict:
                 time.sleep(0.5)
         finally:  # the row is in, or an exception here (SIGTERM below): the child and its workers go first
             kill_group(child, grace=30)
+            wait_for_gpu_memory()
         if rows.exists():
             return json.loads(rows.read_text())["rows"][0]
         return {"variant": variant, "error": f"its process ended with exit status {child.returncode} and no row"}
@@ -206,6 +286,11 @@ def run_here(args, variants: list[str], lengths: list[int], shape: dict, device:
              save: Callable[[list[dict]], None]) -> list[dict]:
     """Every variant in this process, one target for all; `save` gets the rows so far each time one is done
     (the row of a variant as soon as its last step ends)."""
+    undo_levers([n for n in args.without.split(",") if n])
+    if device.type == "cuda":  # measured before the target takes the memory, in the process that trains
+        args.matmul_peak = matmul_peak(device)
+        print(json.dumps({"card": torch.cuda.get_device_name(device), "matmul_peak_tflops": round(args.matmul_peak, 1)}),
+              flush=True)
     target = random_target(shape, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.fp8_target:  # as an FP8 checkpoint loads: 128 x 128 block-scaled weights, the GEMM for this device
         layers = quantize_model(target.model, default_modules_to_not_convert(target.model))
@@ -253,8 +338,13 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--target-layers", type=int, default=None,
+                   help="decoder layers of the target (default: the preset's; fewer let a bf16 27B-wide target fit "
+                   "an 80 GB card)")
     p.add_argument("--fp8-target", action="store_true",
                    help="quantise the random target to block FP8 (the 27B shape then fits an 80 GB card)")
+    p.add_argument("--without", default="", help=f"comma list of step changes to undo ({', '.join(LEVERS)}): "
+                   "the 'before' of a before/after row")
     p.add_argument("--fixed-tokens-per-s", type=float, default=None,
                    help="the fixed-shape figure to compare with, where the fixed variant is not run here")
     p.add_argument("--processes", choices=("one", "each"), default=None,
@@ -274,7 +364,9 @@ def main(argv=None) -> int:
             setattr(args, key, on_gpu if gpu else on_cpu)
     args.processes = args.processes or ("each" if gpu else "one")
     preset = args.preset or ("27b" if gpu else "large")
-    shape = QWEN35_27B if preset == "27b" else scaled_qwen35_shape(args.hidden, args.layers, args.vocab)
+    shape = dict(QWEN35_27B if preset == "27b" else scaled_qwen35_shape(args.hidden, args.layers, args.vocab))
+    if args.target_layers:
+        shape["layers"] = args.target_layers
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for variant in variants:
         if variant not in ("fixed", "padded", "packed"):
@@ -282,8 +374,9 @@ def main(argv=None) -> int:
     lengths = (lengths_from_file(args.data, args.tokenizer, args.max_length) if args.data else
                chat_mix(args.sequences, args.seed, args.max_length))
     print(json.dumps({"sequences": len(lengths), "median_length": statistics.median(lengths),
-                      "min": min(lengths), "max": max(lengths), "preset": preset, "kind": args.kind,
-                      "target": "fp8" if args.fp8_target else "bf16", "processes": args.processes}), flush=True)
+                      "min": min(lengths), "max": max(lengths), "preset": preset, "target_layers": shape["layers"], "kind": args.kind,
+                      "target": "fp8" if args.fp8_target else "bf16", "processes": args.processes,
+                      "without": args.without}), flush=True)
 
     def save(rows: list[dict]) -> None:  # written whole under another name, then renamed: a reader sees whole rows
         if args.json:

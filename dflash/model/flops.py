@@ -4,10 +4,18 @@ the formulas behind MFU in training (dflash.train.probes.mfu) and tokens/s in th
 from __future__ import annotations
 
 
+def layer_weights(layers) -> int:
+    """Weights of the decoder layers: their parameters, and the float8 weights an FP8 target holds as
+    buffers (dflash.model.fp8.Fp8Linear and transformers' FP8Linear keep `weight` so: no parameter)."""
+    fp8 = sum(b.numel() for name, b in layers.named_buffers()
+              if name.rsplit(".", 1)[-1] == "weight" and b.is_floating_point() and b.element_size() == 1)
+    return sum(p.numel() for p in layers.parameters()) + fp8
+
+
 def target_forward_flops(target, lengths: list[int]) -> float:
     """Forward FLOPs of the frozen target over sequences of these (unpadded) lengths."""
     cfg = target.config
-    layer_params = sum(p.numel() for p in target._layers.parameters())
+    layer_params = layer_weights(target._layers)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * target.num_layers
     n_full = sum(1 for t in types if t == "full_attention")
     causal_pairs = sum(n * (n + 1) / 2 for n in lengths)

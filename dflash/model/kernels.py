@@ -52,8 +52,16 @@ _WRAPPER_CELLS = frozenset({"func_name", "package", "implementation", "torch_fun
 
 
 def _closure(fn: Callable) -> dict:
-    cells = fn.__closure__ or ()
-    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
+    """`fn`'s closure as {free variable: value}, leaving out empty cells (a variable not bound yet: torch.compile's
+    runtime wrappers have them, and dynamo installs those as `__compiled_fn_*` globals of the module whose code
+    it compiled, the modeling module once the target's norms are compiled: dflash.model.fused_norms)."""
+    out = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # "Cell is empty"
+            continue
+    return out
 
 
 def _hub_function(obj) -> Callable | None:

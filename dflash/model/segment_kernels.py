@@ -102,12 +102,33 @@ def delta_rule_by_segment(torch_function: Callable, query, key, value, g, beta, 
     return out, torch.cat(finals) if output_final_state else None
 
 
+# The last cu_seqlens seen and its int64 copy: (source tensor, its version counter, int64 tensor).
+_LONG_BOUNDS: list = []
+
+
+def long_bounds(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """`cu_seqlens` as int64 (fla's dtype), the same tensor for as long as the same `cu_seqlens` comes back.
+
+    transformers hands one int32 `cu_seq_lens_q` (flash-attention's dtype) to every layer of a pass. fla
+    builds its chunk indices with a device-to-host sync (`repeat_interleave`) and caches them by the identity
+    of the cu_seqlens tensor (fla.utils.tensor_cache); a fresh int64 copy in every layer missed that cache,
+    so each GatedDeltaNet layer synchronised twice (95 syncs in a 27B pass: bench/NOTES.md). One copy per
+    source tensor lets fla's cache hit from the second layer on. A source written in place (its version
+    counter moved) gets a new copy."""
+    if cu_seqlens.dtype == torch.long:
+        return cu_seqlens
+    if _LONG_BOUNDS and _LONG_BOUNDS[0] is cu_seqlens and _LONG_BOUNDS[1] == cu_seqlens._version:
+        return _LONG_BOUNDS[2]
+    _LONG_BOUNDS[:] = [cu_seqlens, cu_seqlens._version, cu_seqlens.to(torch.long)]
+    return _LONG_BOUNDS[2]
+
+
 def _varlen_on_one_row(kernel: Callable, call: dict, cu_seqlens: torch.Tensor):
     """fla's kernel on [B,T,...] inputs with cu_seqlens over B*T: flattened to batch 1, and back to [B,T,...]."""
     B, T = call["query"].shape[:2]
     q, k, v, g, beta = (call.pop(n) for n in ("query", "key", "value", "g", "beta"))
     q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
-    out, final = kernel(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens.to(torch.long), **call)
+    out, final = kernel(q, k, v, g=g, beta=beta, cu_seqlens=long_bounds(cu_seqlens), **call)
     return out.reshape(B, T, *out.shape[2:]), final
 
 

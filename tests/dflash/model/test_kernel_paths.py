@@ -154,3 +154,22 @@ def test_a_kernel_that_kernelize_binds_is_named_and_is_what_runs(tmp_path):
     model(torch.randint(0, PROBE_SHAPE["vocab"], (1, 8)), use_cache=False)
     assert len(calls) == len(layers) == 3
     assert {p.path for p in op_paths(probe_layer("cpu"))} == {TORCH}
+
+
+def test_kernel_functions_pass_over_a_closure_with_an_empty_cell():
+    """torch.compile leaves `__compiled_fn_*` globals with empty closure cells in the module whose code it
+    compiled (the modeling module, once the target's norms are compiled); reading that module's dispatch
+    points must not fail on them (it did: "ValueError: Cell is empty" at the next Target built)."""
+    import types
+
+    from dflash.model.kernels import kernel_functions
+
+    def unbound():
+        def reads_later():
+            return later  # noqa: F821  bound after return: the cell stays empty
+        return reads_later
+        later = 1  # noqa: F841
+
+    module = types.ModuleType("compiled_module")
+    module.__compiled_fn_1 = unbound()
+    assert kernel_functions(module) == []

@@ -185,3 +185,22 @@ def test_packed_sequences_match_alone_in_bf16_with_the_fast_kernels(tmp_path):
         print(f"layer {layer} ({kind}): max |packed - alone| {d:.3e}, relative {r:.3e}; without segments {u:.3e}")
     assert float(rel.max()) <= 1e-3, rel
     assert float(rel_unpacked.max()) > 5e-3, rel_unpacked
+
+
+def test_long_bounds_is_one_int64_copy_per_cu_seqlens_tensor():
+    """Every GatedDeltaNet layer of a pass gets the same int64 cu_seqlens (fla caches its chunk indices by
+    that tensor's identity); a new or rewritten source gets a new copy with its values."""
+    from dflash.model.segment_kernels import long_bounds
+
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    first = long_bounds(cu)
+    assert first.dtype == torch.long and first.tolist() == [0, 4, 9]
+    assert long_bounds(cu) is first
+    other = cu.clone()
+    second = long_bounds(other)
+    assert second is not first and long_bounds(other) is second
+    other[1] = 5
+    rewritten = long_bounds(other)
+    assert rewritten is not second and rewritten.tolist() == [0, 5, 9]
+    already = torch.tensor([0, 3], dtype=torch.long)
+    assert long_bounds(already) is already

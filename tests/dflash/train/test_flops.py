@@ -40,3 +40,15 @@ def test_drafter_pairs_and_window():
 
 def test_no_peak_on_a_cpu():
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_an_fp8_target_counts_the_same_forward_flops_as_its_bf16_original(tmp_path):
+    """An FP8 target keeps its linear weights as float8 buffers, not parameters: they still count (its
+    MFU and the benchmarks' physical limit were otherwise taken on the norms and convolutions alone)."""
+    from dflash.model.flops import target_forward_flops
+    from dflash.model.fp8 import quantize_model
+
+    target = Target.load(save_chat_target(tmp_path / "target"))
+    before = target_forward_flops(target, [40, 56])
+    assert quantize_model(target.model, []) > 0
+    assert target_forward_flops(target, [40, 56]) == pytest.approx(before, rel=1e-12)
