@@ -31,11 +31,16 @@ ONE_CPU = {min(os.sched_getaffinity(0))}
 BUSY_LOOPS = 2
 
 
+def _on_one_cpu() -> None:
+    """A child's preexec_fn: the child runs on ONE_CPU only."""
+    os.sched_setaffinity(0, ONE_CPU)
+
+
 @pytest.fixture
 def loaded_cpu():
     """Busy loops on the CPU the launched runs are held to; stopped afterwards."""
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                             preexec_fn=lambda: os.sched_setaffinity(0, ONE_CPU)) for _ in range(BUSY_LOOPS)]
+                             preexec_fn=_on_one_cpu) for _ in range(BUSY_LOOPS)]
     yield
     for p in busy:
         p.kill()
@@ -47,7 +52,7 @@ def _torchrun(procs: int, module_args: list[str], tmp_path: Path) -> subprocess.
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={procs}", *module_args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-                          preexec_fn=lambda: os.sched_setaffinity(0, ONE_CPU))
+                          preexec_fn=_on_one_cpu)
 
 
 def _failure(run: subprocess.CompletedProcess) -> str:
