@@ -113,9 +113,9 @@ def profile_forward(target, items, args, device, peak: float | None, profile_out
         loop = TrainingLoop({"": config}, target, items, distributed.Dist(0, 1, 0, device), StopFlag())
         trainer = loop.first
         epoch, indices = trainer.order.next()
-        _share, batch, context, anchors_for = loop._share(epoch, indices)  # padded or packed, as the loop makes them
-        anchors = anchors_for(trainer)
-        n_anchors = config.optim.pack_anchors if trainer.packed else None
+        rank_batch, context = loop.take(epoch, indices)  # as the loop makes them, by the run's batching
+        batch, anchors = rank_batch.batch, trainer.anchors(rank_batch, epoch)
+        n_anchors = loop.batching.n_anchors
         state = {"drafter": trainer.drafter, "context": context}
 
         def forward():

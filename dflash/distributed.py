@@ -178,6 +178,6 @@ def shard(items: list, d: Dist) -> list:
     """This rank's share of one global micro-batch: items rank, rank+W, rank+2W, ...
 
     A rank can get nothing when the batch holds fewer sequences than there are ranks; it then runs a
-    zero-weight stand-in (dflash.train.shares), so that its collectives stay in step with the other ranks'.
+    zero-weight stand-in (dflash.batching.shares), so that its collectives stay in step with the other ranks'.
     """
     return items[d.rank::d.world_size]

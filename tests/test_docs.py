@@ -2,7 +2,7 @@
 
 The README stays a front page of at most 250 lines; the detail lives in docs/ and is linked.
 
-Every dotted name of one of the project's packages (`dflash.train.shares`, `images.build.build_wheels`,
+Every dotted name of one of the project's packages (`dflash.batching.shares`, `images.build.build_wheels`,
 `wheelbuilder.lock.lock_all`, ...) in README.md, docs/*.md and the packages' docstrings and comments must
 resolve: the longest importable module prefix, then attributes (a dataclass field counts as one). A file
 name (`dflash/cli.py`) is not a dotted name; names of other projects' packages are not checked.
@@ -71,7 +71,7 @@ def test_every_dotted_name_in_the_docs_and_docstrings_exists():
 
 
 def test_the_resolver_tells_a_stale_name_from_a_real_one():
-    assert resolves("dflash.train.shares") and resolves("dflash.data.spans.tokenize_conversation")
+    assert resolves("dflash.batching.shares") and resolves("dflash.data.spans.tokenize_conversation")
     assert resolves("dflash.kinds.kind.DrafterKind.own_keys")  # a dataclass field
     assert not resolves("dflash.spans") and not resolves("dflash.data.tokenize_conversation")
     assert not resolves("dflash.train.trainer.no_such_function")

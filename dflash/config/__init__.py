@@ -29,6 +29,7 @@ from pathlib import Path
 
 from common.fsutil import atomic_write
 
+from dflash import batching
 from dflash.config.layout import LAYOUTS, Layout
 from dflash.config.sections import (SECTIONS, TRACKERS, DemoConfig, IOConfig, ModelConfig, OptimConfig,
                                     RuntimeConfig, WatchConfig, check_report_to, flag)
@@ -59,15 +60,7 @@ class TrainConfig:
         if self.optim.max_tokens < self.model.max_length:
             raise ConfigError(f"--max-tokens {self.optim.max_tokens} is below --max-length {self.model.max_length}: "
                               "a full-length sequence would fit in no micro-batch. Raise --max-tokens.")
-        if self.optim.packing == "on":
-            self.check_pack_fits()
-
-    def check_pack_fits(self) -> None:
-        """Refuse packs shorter than --max-length (--packing on, or auto once the device says on)."""
-        if self.optim.pack_tokens < self.model.max_length:
-            raise ConfigError(f"--pack-tokens {self.optim.pack_tokens} is below --max-length {self.model.max_length}: "
-                              "a full-length sequence would fit in no pack. Raise --pack-tokens (or lower "
-                              "--max-length, or pass --packing off).")
+        batching.check_named(self)
 
     # --- derived ---------------------------------------------------------------------------------
     @property

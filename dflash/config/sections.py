@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from dflash import kinds
+from dflash import batching, kinds
 from dflash.config.layout import LAYOUTS, Layout
 from dflash.errors import ConfigError
 
@@ -172,7 +172,7 @@ class OptimConfig(Section):
     packing: str = opt("auto", "micro-batches of packed sequences: 'on' (each rank trains one row of --pack-tokens "
                        "tokens holding whole sequences back to back, with --pack-anchors anchors: the same shapes "
                        "every step), 'off' (length-bucketed padded batches of --batch-size / --max-tokens), "
-                       "'auto' (on on a GPU)", choices=("auto", "on", "off"))
+                       "'auto' (on on a GPU)", choices=batching.CHOICES)
     pack_tokens: int = opt(8192, "tokens of one packed row, per rank (packing on); at least --max-length")
     pack_anchors: int = opt(1024, "anchors (blocks) sampled per packed row (packing on), over all its sequences")
     seed: int = opt(0, "seed of the drafter init, the data order and the anchor sampling")

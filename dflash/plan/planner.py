@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dflash.batching import batching_for
 from dflash.config.layout import LAYOUTS, Layout
 from dflash.errors import ConfigError, TrainError
 from dflash.plan.memory import MicroBatch, RankPeak, pipeline_stages, rank_peaks, worst
@@ -183,36 +184,25 @@ def stacked(drafters: list[DrafterShape]) -> DrafterShape:
                         config=largest.config, layer_surplus=max(dr.layer_surplus for dr in drafters))
 
 
-def worst_micro_batches(config, world: int, packed: bool) -> list[MicroBatch]:
-    """The per-rank micro-batches check_training_fits checks (its docstring): one when packed, two padded."""
-    model, optim = config.model, config.optim
-    if packed:
-        return [MicroBatch(1, optim.pack_tokens, optim.pack_anchors)]
-    per_rank = max(1, -(-optim.batch_size // world))
-    # the most padded tokens a rank's share can hold: B sequences of at most max_tokens // B tokens each
-    tokens = max(-(-b // world) * min(model.max_length, optim.max_tokens // b) for b in range(1, optim.batch_size + 1))
-    long = MicroBatch(max(1, min(per_rank, tokens // model.max_length)), model.max_length, model.max_anchors)
-    seq = max(2, min(model.max_length, -(-tokens // per_rank)))
-    short = MicroBatch(per_rank, seq, max(1, min(model.max_anchors, seq - 1)))
-    return [long, short] if short != long else [long]
+def worst_micro_batches(batching, world: int) -> list[MicroBatch]:
+    """The per-rank micro-batches check_training_fits checks: those the run's batching can form at their
+    largest (dflash.batching.base.Batching.worst_shapes: one packed row; the worse two of padded batches)."""
+    return [MicroBatch(*shape) for shape in batching.worst_shapes(world)]
 
 
 def check_training_fits(config, world: int, card_gb: float | None, layout: str | None = None,
-                        packed: bool | None = None, drafters: list[DrafterShape] | None = None) -> None:
+                        batching=None, drafters: list[DrafterShape] | None = None) -> None:
     """Refuse (TrainError) a run whose layout the memory model says will not fit `card_gb` per rank, naming
     the layout and micro-batch that would. `card_gb` None (a CPU run) or --no-memory-check: no check.
 
-    Packed (--packing on, or auto on a GPU): every micro-batch is one row of --pack-tokens tokens with
-    --pack-anchors anchors, so that one shape is the one checked. Padded: the largest micro-batch the data order
-    can form, the worse of two: the long one (--batch-size sequences split over the ranks, at least one, of
-    --max-length tokens, capped by --max-tokens) and the short one (every sequence a rank may get, each of the
-    length that fills --max-tokens, each with its --max-anchors anchors: anchors are bounded per sequence).
+    The micro-batches checked are the largest the run's `batching` can form (worst_micro_batches; None: the
+    one --packing names, 'auto' as on a CPU).
     `drafters`: the shapes of several drafters on one target pass (dflash.train.multi), checked `stacked`.
     """
     from pathlib import Path
 
     layout = layout or config.runtime.layout
-    packed = config.optim.packing == "on" if packed is None else packed
+    batching = batching or batching_for(config, "cpu")
     if card_gb is None or not getattr(config.runtime, "memory_check", True):
         return
     target_path = config.io.target
@@ -226,7 +216,7 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     # the run's split (--target-stages, 0: half the ranks), never the search `option` makes for target_stages 0
     stages = pipeline_stages(world, config.runtime.target_stages) if Layout.of(layout).target_in_stages else 0
     checked = [(mb, option(target, drafter, mb, layout, world, card, precision=precision, target_stages=stages))
-               for mb in worst_micro_batches(config, world, packed)]
+               for mb in worst_micro_batches(batching, world)]
     mb, chosen = next(((m, o) for m, o in checked if not o.fits), checked[0])
     if chosen.fits:
         return
@@ -237,11 +227,8 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     hints = ["train fewer drafters per run, or smaller ones (--drafter-layers)"] if drafters and len(drafters) > 1 else []
     smaller = largest_fitting_micro_batch(target, drafter, mb, layout, world, card, precision=precision,
                                           target_stages=stages) if chosen.ranks else None
-    if smaller and packed:
-        hints.append(f"--layout {layout} with {smaller.anchors} anchors per pack fits (--pack-anchors {smaller.anchors})")
-    elif smaller:
-        hints.append(f"--layout {layout} with {smaller.anchors} anchors per sequence and {smaller.batch} sequence(s) "
-                     f"per rank fits (--max-anchors {smaller.anchors}, --batch-size {smaller.batch * world})")
+    if smaller:
+        hints.append(f"--layout {layout} with {batching.smaller(smaller.batch, smaller.anchors, world)}")
     others = [o for o in plan(target, drafter, mb, card, world, precision=precision)[0] if o.fits and o.layout != layout]
     if others:
         best = max(others, key=lambda o: o.tokens_per_s)

@@ -1,16 +1,13 @@
-"""Anchors and blocks: where the drafter is asked to guess, and what it is shown and scored on.
+"""Blocks: what the drafter is shown and scored on at each anchor (the anchors: dflash.batching.anchors).
 
-For a micro-batch of sequences input_ids [B,T] with loss mask [B,T]:
+For a micro-batch of sequences input_ids [B,T] with loss mask [B,T] and each sequence's anchors:
 
-    anchors   up to max_anchors positions a per sequence with loss_mask[a] == loss_mask[a+1] == 1
     blocks    [input_ids[a], MASK, MASK, ..., MASK]                              [B, N, bs]
     labels    input_ids[a+1 .. a+bs-1]  (valid: inside the sequence, loss_mask 1)  [B, N, bs-1]
 
-N is the most anchors of any sequence in the micro-batch; shorter rows are padded with invalid anchors.
-
-A packed row (dflash.data.packs) holds several sequences: its anchors are sampled over all of them up to a
-fixed budget (sample_pack_anchors), N is that budget in every micro-batch, and a label counts only inside
-its anchor's own sequence (build_blocks' `segments`).
+N is the most anchors of any sequence in the micro-batch; shorter rows are padded with invalid anchors. A
+packed row (dflash.data.packs) holds several sequences: N is its fixed anchor budget in every micro-batch,
+and a label counts only inside its anchor's own sequence (build_blocks' `seq_idx`).
 """
 
 from __future__ import annotations
@@ -18,42 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-
-def anchor_seed(seed: int, epoch: int, sample_index: int) -> int:
-    """A per-sequence seed: the anchors of a sequence depend only on (seed, epoch, its index), never on
-    which rank or micro-batch it lands in, so resumed and multi-process runs sample the same anchors."""
-    return (seed * 1_000_003 + epoch * 7_919 + sample_index * 104_729) % (2**63 - 1)
-
-
-def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """[T] loss mask of one (unpadded) sequence -> sorted [n] anchor positions, n <= max_anchors.
-
-    An anchor a needs loss_mask[a] == 1 and a+1 < T; we also require loss_mask[a+1] == 1, since an
-    anchor whose first label is unsupervised adds a whole block of compute and no signal.
-    """
-    m = loss_mask.bool()
-    candidates = torch.nonzero(m[:-1] & m[1:]).flatten()
-    if candidates.numel() > max_anchors:
-        pick = torch.randperm(candidates.numel(), generator=generator)[:max_anchors]
-        candidates = candidates[pick.sort().values]
-    return candidates
-
-
-def sample_pack_anchors(loss_mask: torch.Tensor, seq_idx: torch.Tensor, budget: int,
-                        generator: torch.Generator) -> torch.Tensor:
-    """[T] loss mask and segment numbers of one packed row -> sorted [n] anchor positions, n <= budget.
-
-    The candidates are sample_anchors' (loss_mask[a] == loss_mask[a+1] == 1) with a and a+1 in the same
-    sequence; over the budget, a uniform sample of them, so every sequence of the pack gets anchors in
-    proportion to its supervised tokens.
-    """
-    m = loss_mask.bool()
-    candidates = torch.nonzero(m[:-1] & m[1:] & (seq_idx[:-1] == seq_idx[1:])).flatten()
-    if candidates.numel() > budget:
-        pick = torch.randperm(candidates.numel(), generator=generator)[:budget]
-        candidates = candidates[pick.sort().values]
-    return candidates
 
 
 @dataclass

@@ -5,7 +5,7 @@ The split: --eval-data FILE (tokenised like --data), or --eval-fraction of the t
 fingerprint as before).
 
 Every rank takes part in every micro-batch of the split, a zero-weight stand-in where it holds nothing (the
-rule training follows: dflash.train.shares), so the ranks' collectives stay in step under every layout. A
+rule training follows: dflash.batching.shares), made by the run's batching as training's are, so the ranks' collectives stay in step under every layout. A
 stop (SIGTERM, Ctrl-C, on any rank) ends an evaluation before its next micro-batch on every rank, without a
 record; the training loop then writes its checkpoint and stops, as after a step.
 
@@ -45,20 +45,14 @@ from dataclasses import dataclass
 import torch
 
 from dflash import distributed
-from dflash.train.blocks import sample_anchors
+from dflash.batching import Batching
 from dflash.config import TrainConfig
-from dflash.data.batches import collate, make_batches
-from dflash.data.packs import make_packs
-from dflash.train.pack_batches import pack_micro_batch
-from dflash.train.shares import packed_share, padded_share
+from dflash.data.batches import collate
 from dflash.train.signals import StopFlag
 from dflash.errors import ConfigError
 from dflash.train.step import micro_batch_sums, summarize
 
 log = logging.getLogger("dflash.train")
-
-EVAL_ANCHOR_SEED = 2**31 - 1  # the evaluation's anchors are the same at every evaluation
-EVAL_EPOCH = -1  # packed: the epoch the evaluation's pack anchors are seeded with (never a training epoch)
 
 
 def split_items(items: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -93,36 +87,13 @@ def prompt_of(item: dict) -> list[int]:
     return item["input_ids"][:end].tolist()
 
 
-def _rounds(config: TrainConfig, items: list[dict], d: distributed.Dist, pad_id: int, packed: bool):
-    """The split's global micro-batches, one a round, each as (this rank's Share, its batch on the device, its
-    anchors): the training run's length-bucketed batches, or its packs a world size at a time. Every rank
-    gets every round (dflash.train.shares: a zero-weight stand-in where it holds nothing), so a sharded
-    drafter gathers as often on each."""
-    optim, model = config.optim, config.model
-    lengths = [len(it["input_ids"]) for it in items]
-    if packed:
-        packs = make_packs(lengths, optim.pack_tokens, optim.seed, epoch=0)
-        for start in range(0, len(packs), d.world_size):
-            share = packed_share(packs[start:start + d.world_size], items, d)
-            batch, anchors, _counted = pack_micro_batch(config, EVAL_EPOCH, share.indices, share.items, pad_id,
-                                                        d.device)
-            yield share, batch, anchors
-        return
-    for batch_ids in make_batches(lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=0):
-        share = padded_share(batch_ids, items, d)
-        anchors = [sample_anchors(item["loss_mask"], model.max_anchors,
-                                  torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i))
-                   for i, item in zip(share.indices, share.items)]
-        batch = {k: v.to(d.device) for k, v in collate(share.items, pad_id).items()}
-        yield share, batch, anchors
-
-
 @torch.no_grad()
 def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: distributed.Dist,
-                   pad_id: int, autocast_dtype: torch.dtype, packed: bool = False,
+                   pad_id: int, autocast_dtype: torch.dtype, batching: Batching,
                    stop: StopFlag | None = None) -> dict | None:
     """Loss, accuracy and per-position acceptance of the bare `drafter` on `items` (every rank takes its
-    share of each batch, or its pack when `packed`; the sums are added over ranks). Before each micro-batch
+    share of each of the batching's micro-batches, Batching.eval_rounds; the sums are added over ranks).
+    Before each micro-batch
     the ranks learn whether any has `stop` set (a signal: one all-reduce); then all of them end the
     evaluation there and it returns None, as the training loop ends a run after its step."""
     was_training, model = drafter.training, config.model
@@ -130,15 +101,16 @@ def evaluate_split(config: TrainConfig, drafter, target, items: list[dict], d: d
     drafter.eval()
     totals = torch.zeros(4 + 4 * (model.block_size - 1), device=d.device)
     try:
-        for n, (share, batch, anchors) in enumerate(_rounds(config, items, d, pad_id, packed)):
+        for n, rank_batch in enumerate(batching.eval_rounds(config, items, d, pad_id)):
             if stop.agreed(d):
                 log.warning("evaluation stopped by %s after %d of its micro-batches; no record of it",
                             stop.describe(), n)
                 return None
-            sums = micro_batch_sums(drafter, target, batch, anchors, block_size=model.block_size,
-                                    gamma=model.gamma, autocast_dtype=autocast_dtype,
-                                    n_anchors=config.optim.pack_anchors if packed else None).pack()
-            totals += share.counted(sums)
+            context = batching.context(target, rank_batch.batch)
+            sums = micro_batch_sums(drafter, target, rank_batch.batch, rank_batch.anchors, block_size=model.block_size,
+                                    gamma=model.gamma, autocast_dtype=autocast_dtype, context=context,
+                                    n_anchors=batching.n_anchors).pack()
+            totals += rank_batch.share.counted(sums)
     finally:
         drafter.train(was_training)
     metrics = summarize(distributed.all_reduce_sum(d, totals), model.block_size)
@@ -200,13 +172,13 @@ class SplitEvaluator:
     d: distributed.Dist
     pad_id: int
     autocast_dtype: torch.dtype
-    packed: bool = False  # the split in packs of the training shape (dflash.data.packs)
+    batching: Batching  # the run's: the split in its micro-batches
     stop: StopFlag | None = None  # the run's: set (a signal) on any rank, the evaluation ends on every rank
 
     def __call__(self) -> dict | None:
         """The evaluation's metrics, or None when a stop ended it (evaluate_split)."""
         args = (self.config, self.drafter, self.target, self.items)
-        m = evaluate_split(*args, self.d, self.pad_id, self.autocast_dtype, self.packed, self.stop)
+        m = evaluate_split(*args, self.d, self.pad_id, self.autocast_dtype, self.batching, self.stop)
         if m is not None and self.config.watch.eval_tau_prompts and self.d.is_main:
             m.update(measured_tau(*args, self.pad_id, self.autocast_dtype))
         return m

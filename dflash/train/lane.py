@@ -16,19 +16,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash import distributed
 from dflash.config import TrainConfig
-from dflash.data.batches import DataOrder, data_fingerprint, item_lengths
-from dflash.data.packs import PackOrder
+from dflash.batching import Batching, RankBatch, written_by
+from dflash.data.batches import data_fingerprint, item_lengths
 from dflash.errors import CheckpointError, TrainError
 from dflash.train.records import checkpoint as ckpt
 from dflash.train.parallel import layouts, sharded_checkpoint
-from dflash.train.blocks import anchor_seed, sample_anchors
 from dflash.train.evaluation import SplitEvaluator
 from dflash.train.probes.mfu import StepFlops
 from dflash.train.records.monitor import MonitorPlan, RunMonitor
 from dflash.train.records.rundir import RunDir
 from dflash.train.schedule import lr_lambda
-from dflash.train.setup import attention_impl, compile_layers, drafter_config, pad_id, packing, precision
-from dflash.train.shares import Share
+from dflash.train.setup import attention_impl, compile_layers, drafter_config, pad_id, precision
 from dflash.train.signals import StopFlag
 from dflash.train.step import StepSums, backward, micro_batch_sums, oom_message, summarize
 
@@ -49,13 +47,15 @@ class Lane:
     """One drafter's part of a run: its drafter and wrapper, optimizer, schedule, data order, monitor and
     run directory; dflash.train.loop.TrainingLoop drives one lane or several."""
 
-    def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist,
+    def __init__(self, config: TrainConfig, target, items: list[dict], d: distributed.Dist, batching: Batching,
                  eval_items: list[dict] | None = None, stop: StopFlag | None = None):
-        """`stop`: the run's StopFlag, which an evaluation on `eval_items` heeds between its micro-batches."""
+        """`batching`: the run's (the loop's), which makes its data order, its evaluation's micro-batches and its
+        checkpoints' record of the order's position; `stop`: the run's StopFlag, which an evaluation on
+        `eval_items` heeds between its micro-batches."""
         from dflash.io.drafter_dir import load_drafter
         from dflash.kinds import kind_of
 
-        self.config, self.target, self.items, self.d = config, target, items, d
+        self.config, self.target, self.items, self.d, self.batching = config, target, items, d, batching
         self.run_dir = RunDir(config.io.out)
         self.pad_id = pad_id(target)
         self.autocast_dtype = precision(config, d.device)
@@ -70,11 +70,6 @@ class Lane:
         self.layout = config.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.parallel.layouts)
         self.model = layouts.wrap_drafter(self.drafter, self.layout, d, compile=compile_layers(config, d.device))
         self.optimizer = layouts.optimizer(self.drafter, config, d)
-        self.packed = packing(config, d.device)  # packed rows of fixed shape (dflash.data.packs), or padded batches
-        if compile_layers(config, d.device) and not self.packed and d.is_main:
-            log.warning("--packing off with compiled drafter layers: every new batch shape compiles (a long step), "
-                        "and past dynamo's recompile limit the layers run uncompiled, with more memory than the "
-                        "memory check assumes; --packing on keeps one shape")
         self.fingerprint = data_fingerprint(items)
         self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
         self.order = self._data_order()
@@ -86,18 +81,15 @@ class Lane:
         self.saved: tuple[int, Path | None] | None = None  # (step, path) of the checkpoint this process wrote last
         # metrics.jsonl, log, trackers, evaluation: told what it needs once, then handed each step's record
         evaluate = SplitEvaluator(config, self.drafter, target, eval_items, d, self.pad_id,
-                                  self.autocast_dtype, self.packed, stop) if eval_items else None
+                                  self.autocast_dtype, batching, stop) if eval_items else None
         plan = MonitorPlan(total_steps=self.total_steps, log_every=config.runtime.log_every,
                            eval_every=config.watch.eval_every, report_to=config.watch.report_to or [],
                            options=config.to_flat())
         self.monitor = RunMonitor(plan, self.run_dir, d, flops=StepFlops(target, self.drafter_config),
                                   evaluate=evaluate)
 
-    def _data_order(self, epoch: int = 0, index: int = 0) -> DataOrder | PackOrder:
-        optim = self.config.optim
-        if self.packed:  # one pack per rank in every global micro-batch
-            return PackOrder(self.lengths, optim.pack_tokens, self.d.world_size, optim.seed, epoch=epoch, index=index)
-        return DataOrder(self.lengths, optim.max_tokens, optim.batch_size, optim.seed, epoch=epoch, index=index)
+    def _data_order(self, epoch: int = 0, index: int = 0):
+        return self.batching.order(self.lengths, self.d.world_size, epoch=epoch, index=index)
 
     # --- resume ------------------------------------------------------------------------------------
     def restore(self) -> Path | None:
@@ -110,11 +102,11 @@ class Lane:
                 "continue. Start it over with --overwrite instead of --resume, or give another --out.")
         ckpt.check_compatible(last, self.drafter_config.to_dict(), self.fingerprint)
         state = ckpt.load_state(last, map_location=self.d.device)
-        written = int(state.get("pack_tokens", 0))
-        if written != (self.config.optim.pack_tokens if self.packed else 0):
-            was = f"--packing on --pack-tokens {written}" if written else "--packing off"
+        written = written_by(state)
+        if not self.batching.resumes({**state, "batching": written.name}):
+            was = written.resume_flags(state)
             raise CheckpointError(f"--resume: {last} was written by a run with {was}; its position in the data "
-                                  f"counts {'packs' if written else 'padded batches'}. Resume with {was}.")
+                                  f"counts {written.unit}. Resume with {was}.")
         sharded_checkpoint.restore(last, state, self.layout, self.drafter, self.optimizer, self.d)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
@@ -127,7 +119,7 @@ class Lane:
     def save(self) -> Path | None:
         path = None
         train_state = {**self.order.state(), "data_fingerprint": self.fingerprint, "world_size": self.d.world_size,
-                       "layout": self.layout.name, "pack_tokens": self.config.optim.pack_tokens if self.packed else 0}
+                       "layout": self.layout.name, **self.batching.state()}
         if self.layout.shards_drafter:  # every rank writes its shards
             path = sharded_checkpoint.save(self.run_dir.checkpoints, step=self.step, drafter=self.drafter,
                                            optimizer=self.optimizer, scheduler=self.scheduler, train_state=train_state,
@@ -144,15 +136,11 @@ class Lane:
         return path
 
     # --- one micro-batch ---------------------------------------------------------------------------
-    def _anchors(self, epoch: int, share: Share) -> list[torch.Tensor]:
-        """Each sequence's anchors (its own generator: the same whatever else the run trains), counted (a
-        stand-in's: none, and nothing counted)."""
-        anchors = []
-        for i, item in zip(share.indices, share.items):
-            g = torch.Generator().manual_seed(anchor_seed(self.config.optim.seed, epoch, i))
-            anchors.append(sample_anchors(item["loss_mask"], self.config.model.max_anchors, g))
-        if not share.stand_in:
-            self.monitor.count(share.items, anchors)
+    def anchors(self, rank_batch: RankBatch, epoch: int) -> list[torch.Tensor]:
+        """This drafter's anchors in `rank_batch` (the batching's), counted (a stand-in's: nothing counted)."""
+        anchors, counted = self.batching.anchors(rank_batch, self.config, epoch)
+        if not rank_batch.share.stand_in:
+            self.monitor.count(rank_batch.share.items, counted)
         return anchors
 
     def _micro_step(self, batch: dict, anchors: list[torch.Tensor], sync: bool,
@@ -166,12 +154,12 @@ class Lane:
                 sums = micro_batch_sums(self.model, self.target, batch, anchors, block_size=model.block_size,
                                         gamma=model.gamma, autocast_dtype=self.autocast_dtype, context=context,
                                         objective_options=self.kind.objective_options(model),
-                                        n_anchors=self.config.optim.pack_anchors if self.packed else None)
+                                        n_anchors=self.batching.n_anchors)
                 backward(sums, self.d, self.config.optim.grad_accum)
         except torch.OutOfMemoryError as exc:
             raise TrainError(oom_message(self.config, tuple(batch["input_ids"].shape),
                                          sum(int(a.numel()) for a in anchors), self.target.vocab_size,
-                                         packed=self.packed)) from exc
+                                         self.batching.shrink_options())) from exc
         return sums.detached()
 
     def _apply_step(self, totals: torch.Tensor) -> dict:

@@ -1,11 +1,12 @@
 """The training loop, for one drafter or several on one target pass.
 
-    TrainingLoop(configs, target, items, d, stop)    one Lane (dflash.train.lane) per drafter config
+    TrainingLoop(configs, target, items, d, stop)    the run's batching (dflash.batching, chosen once) and
+                                                     one Lane (dflash.train.lane) per drafter config
         per micro-batch   the data order's next indices (one order, shared), this rank's share collated once
-                          (its sequences or its pack, a zero-weight stand-in where it has none: dflash.train.shares;
-                          a pack by dflash.train.pack_batches), target.context once (tapping the
-                          union of the drafters' layers: dflash.train.parallel.taps); then for each drafter: its
-                          columns of it, its anchors, forward, backward
+                          by the batching (a zero-weight stand-in where it has none: dflash.batching.shares),
+                          the target's pass once (tapping the union of the drafters' layers:
+                          dflash.train.parallel.taps); then for each drafter: its columns of it, its anchors,
+                          forward, backward
         per step          each drafter's clip, AdamW and LR step, metrics record, checkpoint (same steps)
         at the end        each drafter's last checkpoint and exported drafter
 
@@ -26,14 +27,12 @@ from collections.abc import Callable
 import torch
 
 from dflash import distributed
+from dflash.batching import RankBatch, batching_for
 from dflash.config import TrainConfig
-from dflash.data.batches import collate
 from dflash.errors import CheckpointError
 from dflash.train.records import checkpoint as ckpt
 from dflash.train.records.heartbeat import Heartbeat
 from dflash.train.lane import Lane, TrainResult
-from dflash.train.pack_batches import pack_micro_batch
-from dflash.train.shares import packed_share, padded_share
 from dflash.train.signals import StopFlag
 from dflash.train.parallel.taps import TargetView
 
@@ -56,16 +55,18 @@ class TrainingLoop:
                  eval_items: list[dict] | None = None, layers: dict[str, list[int]] | None = None):
         """`layers`: each drafter's tapped target layers when they are not all the target's (dflash.train.parallel.taps).
         `on_step(step, {name: metrics})` may return True to stop as SIGTERM would."""
-        self.target, self.d, self.stop, self.on_step = target, d, stop, on_step
+        self.target, self.items, self.d, self.stop, self.on_step = target, items, d, stop, on_step
+        self.config = next(iter(configs.values()))
+        self.batching = batching_for(self.config, d.device)  # the drafters share its micro-batches (config.drafters)
         self.lanes: dict[str, Lane] = {}
         self.rng: dict[str, dict] = {}
         for name, config in configs.items():
             sees = TargetView(target, layers[name]) if layers and layers[name] != list(target.layer_ids) else target
-            self.lanes[name] = Lane(config, sees, items, d, eval_items, stop)  # seeds the RNG, then inits
+            # seeds the RNG, then inits
+            self.lanes[name] = Lane(config, sees, items, d, self.batching, eval_items, stop)
             if len(configs) > 1:
                 self.rng[name] = ckpt.capture_rng()  # this drafter's stream, as a run of it alone has it now
         self.first = next(iter(self.lanes.values()))
-        self.config = self.first.config
         self.heartbeat = Heartbeat(every=self.config.runtime.heartbeat_every) if d.is_main else None
         self._share_order()
 
@@ -110,28 +111,11 @@ class TrainingLoop:
         return self.first.total_steps
 
     # --- one optimizer step ------------------------------------------------------------------------
-    def _share(self, epoch: int, indices: list):
-        """This rank's share of a global micro-batch (dflash.train.shares: a stand-in when it holds nothing):
-        (the share, its batch on the device, the tapped states of every drafter's layers, anchors_for(lane))."""
-        first, device = self.first, self.d.device
-        if first.packed:  # this rank's pack and its anchors, the same for every drafter
-            share = packed_share(indices, first.items, self.d)
-            batch, pack_anchors, counted = pack_micro_batch(self.config, epoch, share.indices, share.items,
-                                                            first.pad_id, device)
-            context = self.target.context(batch["input_ids"], segments=batch["segments"])
-
-            def anchors_for(lane: Lane) -> list[torch.Tensor]:
-                if not share.stand_in:
-                    lane.monitor.count(share.items, counted)
-                return pack_anchors
-        else:
-            share = padded_share(indices, first.items, self.d)
-            batch = {key: v.to(device) for key, v in collate(share.items, first.pad_id).items()}
-            context = self.target.context(batch["input_ids"], batch["attention_mask"])
-
-            def anchors_for(lane: Lane) -> list[torch.Tensor]:  # its own --max-anchors, counted
-                return lane._anchors(epoch, share)
-        return share, batch, context, anchors_for
+    def take(self, epoch: int, indices: list) -> tuple[RankBatch, torch.Tensor]:
+        """This rank's share of a global micro-batch, made by the batching (a stand-in when it holds nothing:
+        dflash.batching.shares), and the tapped states of every drafter's layers."""
+        rank_batch = self.batching.take(epoch, indices, self.items, self.d, self.first.pad_id)
+        return rank_batch, self.batching.context(self.target, rank_batch.batch)
 
     def _optimizer_step(self) -> dict[str, dict]:
         """grad_accum micro-batches, each with one target forward for all drafters; then each drafter's step."""
@@ -139,12 +123,13 @@ class TrainingLoop:
         totals: dict[str, torch.Tensor] = {}
         for k in range(accum):
             epoch, indices = self.first.order.next()
-            share, batch, context, anchors_for = self._share(epoch, indices)
+            rank_batch, context = self.take(epoch, indices)
             for name, lane in self.lanes.items():
                 with self._own_rng(name):
                     mine = lane.target.select(context) if isinstance(lane.target, TargetView) else context
-                    sums = share.counted(lane._micro_step(batch, anchors_for(lane), sync=k == accum - 1,
-                                                          context=mine).pack())
+                    anchors = lane.anchors(rank_batch, epoch)
+                    sums = rank_batch.share.counted(lane._micro_step(rank_batch.batch, anchors, sync=k == accum - 1,
+                                                                     context=mine).pack())
                 totals[name] = sums if name not in totals else totals[name] + sums
             if self.heartbeat:
                 self.heartbeat.beat(self.step)

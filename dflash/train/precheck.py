@@ -228,12 +228,12 @@ def check_memory(config: TrainConfig, configs: dict[str, TrainConfig], layers: d
     samples."""
     from dflash.plan.planner import check_training_fits, visible_card_gb
     from dflash.plan.sizes import drafter_shape, target_shape_from_dir
-    from dflash.train.setup import packing
+    from dflash.batching import batching_for
 
     card_gb = card_gb_for_tests if card_gb_for_tests is not None else visible_card_gb(device)
-    packed = packing(config, device if device is not None else torch.device("cpu"))
+    batching = batching_for(config, device if device is not None else torch.device("cpu"))
     if len(configs) == 1 or card_gb is None or not config.runtime.memory_check or not config.io.target:
-        check_training_fits(config, world, card_gb, config.runtime.layout, packed=packed)  # returns when unchecked
+        check_training_fits(config, world, card_gb, config.runtime.layout, batching=batching)  # returns when unchecked
         return
     from dflash.model.target import resolve_target
 
@@ -242,7 +242,8 @@ def check_memory(config: TrainConfig, configs: dict[str, TrainConfig], layers: d
                             tapped=len(layers[name]), sliding_window=cfg.model.sliding_window,
                             kind=cfg.model.drafter_kind) for name, cfg in configs.items()]
     widest = config.replace(max_anchors=max(cfg.model.max_anchors for cfg in configs.values()))
-    check_training_fits(widest, world, card_gb, config.runtime.layout, packed=packed, drafters=shapes)
+    check_training_fits(widest, world, card_gb, config.runtime.layout, batching=type(batching)(widest),
+                        drafters=shapes)
 
 
 def check_before_loading(config: TrainConfig, configs: dict[str, TrainConfig], *, data: bool = True, target=None,

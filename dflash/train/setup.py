@@ -1,5 +1,6 @@
 """What a run is built from, resolved for its device before the loop starts: the attention kernel, whether
-the drafter's layers compile, the precision, the drafter's config, and the frozen target."""
+the drafter's layers compile, the precision, the drafter's config, and the frozen target (its batching:
+dflash.batching.batching_for)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from dflash.batching import batching_for
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.model.drafter import FLEX_MIN_QUERY_ROWS
@@ -16,12 +18,13 @@ FLEX_MIN_HEAD_DIM = 16  # flex_attention's compiled kernels refuse narrower head
 
 def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | None = None) -> str:
     """--attention resolved for `device`: 'auto' is flex on a GPU (compiled kernels), sdpa elsewhere, for
-    heads narrower than flex's kernels take, and for packed rows of fewer drafter query rows
-    (--pack-anchors x --block-size) than compiled flex takes (every step would run sdpa: see
-    dflash.model.drafter.FLEX_MIN_QUERY_ROWS; a padded batch that short takes sdpa for its own step)."""
+    heads narrower than flex's kernels take, and for a batching that fixes fewer drafter query rows per
+    micro-batch (packed rows: --pack-anchors x --block-size) than compiled flex takes (every step would run
+    sdpa: see dflash.model.drafter.FLEX_MIN_QUERY_ROWS; a padded batch that short takes sdpa for its own step)."""
     attention = config.runtime.attention
-    rows = config.optim.pack_anchors * config.model.block_size
-    too_few = packing(config, device) and rows < FLEX_MIN_QUERY_ROWS  # the drafter runs such rows on sdpa, compiled or not
+    batching = batching_for(config, device)
+    rows = batching.query_rows()  # fixed drafter query rows per micro-batch, or None
+    too_few = rows is not None and rows < FLEX_MIN_QUERY_ROWS  # the drafter runs such rows on sdpa, compiled or not
     if attention == "flex" and device.type != "cuda":
         raise ConfigError(f"--attention flex needs a GPU: flex_attention has no backward on {device.type}; "
                           "use --attention sdpa (or auto, which picks sdpa there).")
@@ -30,8 +33,8 @@ def attention_impl(config: TrainConfig, device: torch.device, head_dim: int | No
                           f"the drafter's heads are {head_dim} wide; use --attention sdpa (or auto).")
     if attention == "flex" and too_few:
         raise ConfigError(f"--attention flex needs at least {FLEX_MIN_QUERY_ROWS} drafter query rows per "
-                          f"packed row, but --pack-anchors {config.optim.pack_anchors} x --block-size "
-                          f"{config.model.block_size} is {rows}; raise --pack-anchors to at least "
+                          f"micro-batch, but {batching.anchors_flag} {batching.n_anchors} x --block-size "
+                          f"{config.model.block_size} is {rows}; raise {batching.anchors_flag} to at least "
                           f"{-(-FLEX_MIN_QUERY_ROWS // config.model.block_size)}, or use --attention sdpa (or auto).")
     if attention != "auto":
         return attention
@@ -43,30 +46,6 @@ def compile_layers(config: TrainConfig, device: torch.device) -> bool:
     """--compile resolved for `device`: 'auto' compiles the drafter's layers on a GPU only (on a CPU the
     compile costs more than it saves on the small models trained there)."""
     return config.runtime.compile == "on" or (config.runtime.compile == "auto" and device.type == "cuda")
-
-
-def packing(config: TrainConfig, device: torch.device) -> bool:
-    """--packing resolved for `device`: 'auto' packs on a GPU (fixed shapes: one compile, the same memory every
-    step); on a CPU the padded batches are the default. A pack shorter than --max-length is refused."""
-    on = config.optim.packing == "on" or (config.optim.packing == "auto" and device.type == "cuda")
-    if on:
-        config.check_pack_fits()
-    return on
-
-
-def padded_options_unused(config: TrainConfig) -> str | None:
-    """A warning when packed rows leave padded-batch options the run set (not their defaults) unused."""
-    from dflash.config import ModelConfig, OptimConfig
-
-    set_ = [flag for flag, value, default in (
-        ("--batch-size", config.optim.batch_size, OptimConfig().batch_size),
-        ("--max-tokens", config.optim.max_tokens, OptimConfig().max_tokens),
-        ("--max-anchors", config.model.max_anchors, ModelConfig().max_anchors)) if value != default]
-    if not set_:
-        return None
-    return (f"{', '.join(set_)} only shape{'s' if len(set_) == 1 else ''} padded batches, and this run packs (--packing {config.optim.packing}): each "
-            f"rank trains rows of --pack-tokens {config.optim.pack_tokens} with --pack-anchors "
-            f"{config.optim.pack_anchors}; pass --packing off to train padded batches instead")
 
 
 def auto_precision(device: torch.device) -> torch.dtype:

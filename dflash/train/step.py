@@ -98,8 +98,8 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
 
     batch: input_ids, loss_mask, attention_mask [B,T] on the device (dflash.data.batches.collate), or packed rows
     with their "segments" too (dflash.data.packs.collate_pack: the target, the blocks and the drafter keep
-    each sequence to itself); anchors: one sorted [n_b] position tensor per row (dflash.train.blocks.sample_anchors,
-    or sample_pack_anchors), `n_anchors` the fixed anchor count of packed rows. `drafter` may be the DDP
+    each sequence to itself); anchors: one sorted [n_b] position tensor per row (dflash.batching.anchors), `n_anchors`
+    the fixed anchor count a batching brings every micro-batch to (Batching.n_anchors). `drafter` may be the DDP
     wrapper. `mark(phase)` is called after "target forward" and after "drafter forward" (a benchmark
     synchronises and reads its clock there; training passes None). keep_correct also returns the
     per-block correct mask (dflash.train.evaluation's replay of greedy verification). fused_head=False (or a
@@ -116,14 +116,14 @@ def micro_batch_sums(drafter, target, batch: dict[str, torch.Tensor], anchors: l
     B, N = blocks.anchors.shape
     if context is None:  # a packed row's padding tail is a segment of its own: no mask needed
         context = target.context(ids, attn) if segments is None else target.context(ids, segments=segments)
-    packed = {} if segments is None else {"segments": segments}
+    kept_apart = {} if segments is None else {"segments": segments}
     with torch.no_grad():
         block_embeds = target.embed(blocks.block_ids.view(B, N * block_size))
     if mark:
         mark("target forward")
     amp = torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32)
     with amp:
-        hidden = drafter(context, block_embeds, blocks.anchors, attn.bool(), blocks.anchor_valid, **packed)
+        hidden = drafter(context, block_embeds, blocks.anchors, attn.bool(), blocks.anchor_valid, **kept_apart)
         # The LM head runs on the scored positions only, a chunk at a time (never the full
         # [anchors x block x vocab] logits).
         hidden = hidden.view(B, N, block_size, -1)
@@ -152,17 +152,13 @@ def backward(sums: StepSums, d: distributed.Dist, grad_accum: int) -> None:
     (sums.loss_sum * scale).backward()
 
 
-def oom_message(config, shape: tuple[int, int], n_anchors: int, vocab: int, packed: bool = False) -> str:
-    """What an out-of-memory error on a micro-batch of `shape` [B, T] says: its size and the knobs that shrink it
-    (a packed run's: --pack-anchors and --pack-tokens; a padded run's: the batch's bounds)."""
-    (B, T), model, optim = shape, config.model, config.optim
-    knobs = (f"Lower --pack-anchors (now {optim.pack_anchors}) or --pack-tokens (now {optim.pack_tokens})"
-             if packed else
-             f"Lower --max-anchors (now {model.max_anchors}), --max-tokens (now {optim.max_tokens}), "
-             f"--batch-size (now {optim.batch_size}) or --max-length (now {model.max_length})")
+def oom_message(config, shape: tuple[int, int], n_anchors: int, vocab: int, shrink: str) -> str:
+    """What an out-of-memory error on a micro-batch of `shape` [B, T] says: its size and `shrink`, the options
+    that make it smaller (the run's batching says which: dflash.batching.base.Batching.shrink_options)."""
+    (B, T), model = shape, config.model
     return (
         f"out of memory on a micro-batch of {B} x {T} tokens with {n_anchors} anchors x block "
         f"{model.block_size} ({n_anchors * model.block_size} drafter positions; logits over {vocab} tokens "
-        f"are taken {LOSS_CHUNK_ROWS} rows at a time). {knobs}; "
+        f"are taken {LOSS_CHUNK_ROWS} rows at a time). Lower {shrink}; "
         "raise --grad-accum to keep the same tokens per optimizer step."
     )

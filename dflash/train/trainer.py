@@ -32,7 +32,7 @@ from dflash.train.loop import LoopResult, TrainingLoop
 from dflash.train.records.monitor import claimed_run
 from dflash.train.precheck import check_before_loading
 from dflash.train.records.rundir import RunDir
-from dflash.train.setup import attention_impl, load_target, padded_options_unused
+from dflash.train.setup import attention_impl, compile_layers, load_target
 from dflash.train.parallel.taps import union
 from dflash.train.signals import StopFlag
 
@@ -123,13 +123,11 @@ def _write_configs(run: RunDir, config: TrainConfig, configs: dict[str, TrainCon
 
 def _say_what_trains(loop: TrainingLoop, configs: dict[str, TrainConfig], sequences: int, d: distributed.Dist) -> None:
     lane, config = loop.first, loop.config
-    batches = (f"packed rows of {config.optim.pack_tokens} tokens with {config.optim.pack_anchors} anchors"
-               if lane.packed else "padded length-bucketed batches")
     what = f"{len(configs)} drafters ({', '.join(configs)}) for " if len(configs) > 1 else ""
     log.info("training %s%d steps on %d sequences%s, world size %d, device %s, %s, %s attention, %s", what,
              loop.total_steps, sequences, ", one target pass" if len(configs) > 1 else "", d.world_size, d.device,
-             lane.autocast_dtype, lane.drafter.attention, batches)
-    if lane.packed and d.is_main and (note := padded_options_unused(config)):
+             lane.autocast_dtype, lane.drafter.attention, loop.batching.describe())
+    for note in loop.batching.notes(compiled=compile_layers(config, d.device)) if d.is_main else []:
         log.warning("%s", note)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "dflash"
 # lowest first; a sub-package may import its own layer and any layer before it, never one after it
-LAYERS = [{"errors", "distributed"}, {"data", "model", "objective"}, {"io", "kinds"}, {"config"}, {"regenerate"},
+LAYERS = [{"errors", "distributed"}, {"data", "model", "objective"}, {"io", "kinds", "batching"}, {"config"}, {"regenerate"},
           {"decode", "plan"}, {"train"}, {"demo", "doctor"}, {"cli", "commands", "__main__", "launcher"}]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
@@ -164,3 +164,35 @@ def test_kind_classes_are_asked_for_only_in_their_own_modules():
                 if named:
                     offenders.setdefault(str(path.relative_to(ROOT)), []).append(f"line {node.lineno}: {sorted(named)}")
     assert not offenders, f"kind classes tested outside their modules: {offenders}"
+
+
+def _batching_asks(path: Path, names: set[str], classes: set[str]) -> list[str]:
+    """Where `path` asks which batching a run uses: reads --packing (`.packing`), compares a batching's name or
+    flag, or names a batching class."""
+    found = _compared_names(path, names)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "packing":
+            found.append(f"line {node.lineno}: .packing")
+        if isinstance(node, (ast.Name, ast.alias)) and (node.id if isinstance(node, ast.Name) else node.name) in classes:
+            found.append(f"line {node.lineno}: {getattr(node, 'id', None) or node.name}")
+    return found
+
+
+def test_only_the_batching_package_asks_which_batching_a_run_uses():
+    """Everywhere else asks the run's Batching (dflash.batching): a third batching is one class and one line."""
+    from dflash.batching import BATCHINGS
+
+    home = ROOT / "batching"
+    names = {cls.name for cls in BATCHINGS.values()} | {"packed", "padded"}
+    classes = {cls.__name__ for cls in BATCHINGS.values()}
+    offenders = {str(p.relative_to(ROOT)): hits for p in MODULES if home not in p.parents
+                 and (hits := _batching_asks(p, names, classes))}
+    assert not offenders, f"which batching a run uses, asked outside dflash/batching/: {offenders}"
+
+
+def test_the_batching_check_finds_each_way_of_asking(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('from dflash.batching.packed import Packed\n'
+                     'def f(config, b):\n    on = config.optim.packing == "on"\n'
+                     '    return b.name == "packed" or isinstance(b, Packed)\n')
+    assert len(_batching_asks(probe, {"packed", "padded"}, {"Packed", "Padded"})) == 4

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dflash.data.batches import collate
-from dflash.train.blocks import anchor_seed, sample_anchors
+from dflash.batching.anchors import anchor_seed, sample_anchors
 
 
 def synthetic_items(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -31,7 +31,7 @@ def synthetic_items(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[dic
 
 def collate_with_anchors(items: list[dict], max_anchors: int, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
     """(batch on the device, anchors) of these items, the anchors sampled as the trainer samples them
-    (seed 0, epoch 0, item i as sample i: dflash.train.blocks.anchor_seed(0, 0, i))."""
+    (seed 0, epoch 0, item i as sample i: dflash.batching.anchors.anchor_seed(0, 0, i))."""
     batch = {k: v.to(device) for k, v in collate(items, 0).items()}
     anchors = [sample_anchors(it["loss_mask"], max_anchors, torch.Generator().manual_seed(anchor_seed(0, 0, i)))
                for i, it in enumerate(items)]

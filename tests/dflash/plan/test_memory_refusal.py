@@ -73,18 +73,20 @@ def test_the_checked_micro_batch_is_each_ranks_share(tiny, tmp_path):
 def test_padded_batches_are_checked_at_the_many_short_sequences_too(tiny, tmp_path):
     """Anchors are bounded per sequence: --batch-size short sequences carry more drafter rows than the few long
     ones that fill --max-tokens. The check takes both; a card between their peaks is refused, naming the short."""
+    from dflash.batching import batching_for
     from dflash.plan.planner import worst_micro_batches
 
     target, data = tiny
     config = train_config(train_args(target, data, tmp_path / "run", batch_size=8, max_tokens=192, max_length=96,
                                      max_anchors=40, packing="off"))
-    long, short = worst_micro_batches(config, 1, packed=False)
+    padded = batching_for(config, "cpu")
+    long, short = worst_micro_batches(padded, 1)
     assert (long.batch, long.seq_len, short.batch, short.seq_len) == (2, 96, 8, 24)
     assert short.batch * short.anchors > long.batch * long.anchors
     card = (_peak_gb(config, long) + _peak_gb(config, short)) / 2
     assert _peak_gb(config, long) < card < _peak_gb(config, short)
     with pytest.raises(TrainError, match=r"a micro-batch of 8 x 24, 23 anchors/seq"):
-        check_training_fits(config, 1, card, packed=False)
+        check_training_fits(config, 1, card, batching=padded)
 
 
 def test_no_padded_micro_batch_the_data_order_forms_exceeds_what_was_checked(tmp_path):
@@ -92,6 +94,7 @@ def test_no_padded_micro_batch_the_data_order_forms_exceeds_what_was_checked(tmp
     within the largest of the checked micro-batches."""
     from hypothesis import given, settings, strategies as st
 
+    from dflash.batching import batching_for
     from dflash.config import TrainConfig
     from dflash.data.batches import make_batches
     from dflash.plan.planner import worst_micro_batches
@@ -102,7 +105,7 @@ def test_no_padded_micro_batch_the_data_order_forms_exceeds_what_was_checked(tmp
     def check(lengths, batch_size, max_tokens, max_anchors, world):
         config = TrainConfig.from_flat(max_length=96, max_tokens=max_tokens, batch_size=batch_size,
                                        max_anchors=max_anchors, block_size=4, packing="off")
-        checked = worst_micro_batches(config, world, packed=False)
+        checked = worst_micro_batches(batching_for(config, "cpu"), world)
         rows = max(m.batch * m.anchors for m in checked)
         tokens = max(m.batch * m.seq_len for m in checked)
         for batch in make_batches(lengths, max_tokens, batch_size, seed=0, epoch=0):

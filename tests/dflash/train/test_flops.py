@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.train.blocks import build_blocks, sample_anchors
+from dflash.batching.anchors import sample_anchors
+from dflash.train.blocks import build_blocks
 from dflash.data.batches import collate
 from dflash.model.flops import drafter_pairs
 from dflash.train.probes.mfu import StepFlops, dense_mask_flops, peak_flops

@@ -1,4 +1,4 @@
-"""Packed micro-batches (dflash.data.packs, dflash.train.pack_batches): the packs themselves, and the exactness
+"""Packed micro-batches (dflash.data.packs, dflash.batching.packed): the packs themselves, and the exactness
 that makes them safe: a pack's loss and gradients equal the padded computation over the same sequences and
 anchors (fp32, 1e-5), for both drafter kinds, through the real target and through the drafter alone."""
 
@@ -14,7 +14,8 @@ from dflash.data.packs import PackOrder, collate_pack, make_packs, per_sequence
 from dflash.kinds import build_drafter, named
 from dflash.model.segments import Segments
 from dflash.model.target import Target
-from dflash.train.blocks import build_blocks, sample_pack_anchors
+from dflash.batching.anchors import sample_pack_anchors
+from dflash.train.blocks import build_blocks
 from dflash.train.step import micro_batch_sums
 from tests.support.dflash_tiny import save_tiny_target
 
@@ -159,12 +160,14 @@ def test_a_pack_gives_the_loss_and_gradients_of_the_padded_batch(tiny, kind, thr
 def test_out_of_memory_names_the_knobs_of_the_run_it_happened_in():
     """A packed micro-batch that runs out of memory names --pack-anchors / --pack-tokens, a padded one the
     padded batch's bounds (a packed run on an H100 was told to lower --max-anchors, which packs ignore)."""
+    from dflash.batching.packed import Packed
+    from dflash.batching.padded import Padded
     from dflash.config import TrainConfig
     from dflash.train.step import oom_message
 
     config = TrainConfig.from_flat(out="x", pack_tokens=8192, pack_anchors=1024, max_anchors=512)
-    packed = oom_message(config, (1, 8192), 1024, 248320, packed=True)
+    packed = oom_message(config, (1, 8192), 1024, 248320, Packed(config).shrink_options())
     assert "Lower --pack-anchors (now 1024) or --pack-tokens (now 8192)" in packed and "--max-anchors" not in packed
-    padded = oom_message(config, (2, 4096), 1024, 248320)
+    padded = oom_message(config, (2, 4096), 1024, 248320, Padded(config).shrink_options())
     assert "Lower --max-anchors (now 512)" in padded and "--pack-anchors" not in padded
     assert "--grad-accum" in packed and "--grad-accum" in padded

@@ -1,5 +1,5 @@
 """Every rank runs the same collectives in training and in evaluation, whatever data it holds
-(dflash.train.shares: a rank that a micro-batch has nothing for runs a zero-weight stand-in), under every layout,
+(dflash.batching.shares: a rank that a micro-batch has nothing for runs a zero-weight stand-in), under every layout,
 on 2 and 3 gloo processes; and SIGTERM during an evaluation stops the run as it does during a step.
 
 The data leaves ranks out on purpose: the evaluation split is one conversation (one padded batch of one
@@ -163,7 +163,7 @@ def test_a_rank_that_a_micro_batch_has_nothing_for_gets_a_zero_weight_stand_in()
     import torch
 
     from dflash import distributed
-    from dflash.train.shares import packed_share, padded_share
+    from dflash.batching.shares import packed_share, padded_share
 
     items = [{"input_ids": torch.arange(5) + i, "loss_mask": torch.ones(5, dtype=torch.long)} for i in range(6)]
 

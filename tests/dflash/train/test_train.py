@@ -16,7 +16,8 @@ import torch
 
 from dflash.train.records import checkpoint as ckpt
 from dflash.config import TrainConfig
-from dflash.train.blocks import build_blocks, sample_anchors
+from dflash.batching.anchors import sample_anchors
+from dflash.train.blocks import build_blocks
 from dflash.train.schedule import lr_lambda
 from dflash.train.trainer import train
 from dflash.train.records.rundir import RunDir
