@@ -27,6 +27,14 @@ class Layout:
     state_on_host: bool      # that share lives in host memory, and the AdamW step runs on the CPU
     target_in_stages: bool   # the target's layers run in stages on ranks of their own (point-to-point sends)
 
+    def __post_init__(self) -> None:
+        """Refuse a combination of facts that no code implements, by what is missing, as the layout is made
+        (at import: before any option is parsed or weight loaded)."""
+        missing = UNIMPLEMENTED.get((self.shards_drafter, self.state_on_host, self.target_in_stages))
+        if missing:
+            raise ConfigError(f"layout {self.name!r}: {missing}; the layouts that run are "
+                              f"{', '.join(IMPLEMENTED.values())}")
+
     @property
     def checkpoint_kind(self) -> str:
         """What its checkpoints hold: "full" (whole files, one writer) or "dcp" (torch.distributed.checkpoint
@@ -50,6 +58,24 @@ class Layout:
                 return layout
         raise ConfigError(f"layout {name!r}: choose one of {', '.join(LAYOUTS)}")
 
+
+# (shards_drafter, state_on_host, target_in_stages): every combination, with who implements it or what is missing
+IMPLEMENTED = {
+    (False, False, False): "replicate (DDP)",
+    (True, False, False): "shard (FSDP2)",
+    (True, True, False): "offload (FSDP2 with CPU offload, AdamW on the CPU)",
+    (True, False, True): "pipeline (target stages, FSDP2 over the drafter ranks)",
+}
+UNIMPLEMENTED = {
+    (False, True, False): "drafter state in host memory needs a sharded drafter (FSDP2's CPU offload); DDP "
+                          "keeps its state on the device",
+    (False, True, True): "drafter state in host memory needs a sharded drafter, and the target stages feed only a "
+                         "sharded drafter",
+    (False, False, True): "the target stages feed a sharded drafter (FSDP2 over the drafter ranks); a replicated "
+                          "drafter beside target stages is not built",
+    (True, True, True): "target stages beside a drafter whose state is in host memory are not built (the memory "
+                        "model and the pipeline's sends assume the state on the device)",
+}
 
 ALL = (
     Layout("replicate", shards_drafter=False, state_on_host=False, target_in_stages=False),

@@ -3,10 +3,10 @@
     DIR/config.json          Qwen3 keys + DFlash keys (below); AutoConfig reads it as a Qwen3Config
     DIR/model.safetensors    the drafter's tensors, bf16 by default, names without a "model." prefix
                              (a sharded model.safetensors.index.json + shards is read as well)
-    DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/kinds/remote_dflash.py) that config.json's
+    DIR/modeling_dflash.py   a self-contained DFlashDraftModel (dflash/kinds/dflash/remote_dflash.py) that config.json's
                              auto_map names: AutoModel.from_pretrained(DIR, trust_remote_code=True) loads it
                              (each drafter kind names its own: a DFlash2 drafter's is modeling_dflash2.py and its
-                             DFlash2DraftModel, dflash.kinds.dflash2_kind)
+                             DFlash2DraftModel, dflash.kinds.dflash2)
 
 config.json, as `reference_config` writes it (one key per DrafterConfig field, except the two that nest):
 
@@ -53,7 +53,7 @@ from common.fsutil import atomic_write
 
 from dflash.errors import DrafterError
 from dflash.io.config_keys import DFLASH_KEYS, unsupported_keys
-from dflash.io.config_values import as_float as _float, as_int as _int, as_int_list as _int_list, as_mapping as _mapping
+from dflash.kinds.config_values import as_float as _float, as_int as _int, as_int_list as _int_list, as_mapping as _mapping
 from dflash.kinds import DFLASH, KINDS, DrafterKind, build_drafter, by_architecture, kind_of
 from dflash.model.drafter import FULL, LAYER_TYPES, SLIDING, Drafter, DrafterConfig
 # the file names and dtype tables live beside the tensor checks; other modules read them from here too

@@ -1,15 +1,16 @@
 """The registry of drafter kinds: what `--drafter-kind` takes, and the one place that tells kinds apart.
 
-Each kind (dflash.kinds.kind.DrafterKind) is declared in its own module; the rest of the code asks the
-kind of a config or a drafter (`kind_of`) or of a name (`named`) and calls what it declares. A new kind is
-one module beside dflash_kind.py and one line in KINDS.
+Each kind (dflash.kinds.kind.DrafterKind) lives in a folder of its own (dflash.kinds.dflash,
+dflash.kinds.dflash2: its registration, its model and objective where they are its own, its remote code);
+the rest of the code asks the kind of a config or a drafter (`kind_of`) or of a name (`named`) and calls
+what it declares. A new kind is one folder beside dflash/ and one line in KINDS.
 """
 
 from __future__ import annotations
 
 from dflash.errors import ConfigError
-from dflash.kinds.dflash2_kind import KIND as DFLASH2
-from dflash.kinds.dflash_kind import KIND as DFLASH
+from dflash.kinds.dflash2 import KIND as DFLASH2
+from dflash.kinds.dflash import KIND as DFLASH
 from dflash.kinds.kind import DrafterKind
 
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (DFLASH, DFLASH2)}

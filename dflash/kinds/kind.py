@@ -9,7 +9,7 @@ A kind declares
     remote_code, own_keys,        file written beside the weights, the dflash_config keys it adds to
     read_keys                     DFlash's, and how to read them back
 and the planner counts its parameters by building its model on the meta device (dflash.plan.sizes).
-dflash.kinds holds the registry; a new kind is one module beside dflash_kind.py and one line there.
+dflash.kinds holds the registry; a new kind is one folder beside dflash.kinds.dflash and one line there.
 """
 
 from __future__ import annotations

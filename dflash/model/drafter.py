@@ -298,7 +298,7 @@ class DrafterLayer(nn.Module):
 class Drafter(nn.Module):
     """fc + RMSNorm over the tapped target states, `num_hidden_layers` DrafterLayers, a final RMSNorm."""
 
-    layer_class = DrafterLayer  # a drafter kind with other layers (dflash.model.dflash2) names its own
+    layer_class = DrafterLayer  # a drafter kind with other layers (dflash.kinds.dflash2.dflash2_drafter) names its own
 
     def __init__(self, config: DrafterConfig, attention: str = "sdpa"):
         super().__init__()

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "dflash"
 # lowest first; a sub-package may import its own layer and any layer before it, never one after it
-LAYERS = [{"errors", "distributed"}, {"data", "model", "objective"}, {"io", "kinds", "batching"}, {"config"}, {"regenerate"},
+LAYERS = [{"errors", "distributed"}, {"data", "model", "objective"}, {"kinds", "batching"}, {"io"}, {"config"}, {"regenerate"},
           {"decode", "plan"}, {"train"}, {"demo", "doctor"}, {"cli", "commands", "__main__", "launcher"}]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
@@ -128,7 +128,7 @@ def _kind_uses(path: Path, names: set[str]) -> list[str]:
 
 
 def test_drafter_kind_names_appear_only_in_their_own_modules_and_the_registry():
-    """Everywhere else asks a DrafterKind (dflash.kinds): a new kind is one module and one registry line."""
+    """Everywhere else asks a DrafterKind (dflash.kinds): a new kind is one folder and one registry line."""
     from dflash.kinds import KINDS
 
     home = ROOT / "kinds"
@@ -196,3 +196,26 @@ def test_the_batching_check_finds_each_way_of_asking(tmp_path):
                      'def f(config, b):\n    on = config.optim.packing == "on"\n'
                      '    return b.name == "packed" or isinstance(b, Packed)\n')
     assert len(_batching_asks(probe, {"packed", "padded"}, {"Packed", "Padded"})) == 4
+
+
+def _kind_folder(module: str) -> str | None:
+    """The kind folder (dflash/kinds/<kind>/) a dotted module name lies in, or None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["dflash", "kinds"] and (ROOT / "kinds" / parts[2]).is_dir() \
+        else None
+
+
+def test_each_kind_folder_imports_only_its_own_folder_and_below():
+    """A drafter kind's folder (dflash/kinds/<kind>/: its model, objective, remote code and registration) imports
+    its own modules, the pieces every kind shares (dflash.kinds.kind, dflash.kinds.config_values, dflash.model,
+    dflash.objective) and lower layers; never another kind's folder, never the registry above it."""
+    offenders = {}
+    for folder in sorted(p for p in (ROOT / "kinds").iterdir() if p.is_dir() and (p / "__init__.py").is_file()):
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                bad = [n for n in names if n == "dflash.kinds" or (_kind_folder(n) not in (None, folder.name))]
+                if bad:
+                    offenders.setdefault(str(path.relative_to(ROOT)), []).extend(bad)
+    assert not offenders, f"kind folders importing another kind or the registry: {offenders}"

@@ -10,7 +10,7 @@ import torch
 from dflash.cli import train_main
 from dflash.errors import ConfigError
 from dflash.decode.evaluate import DrafterProposer, Sampler, evaluate, load_for_eval
-from dflash.model.dflash2 import DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Drafter
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 
 
@@ -58,7 +58,7 @@ def test_sampling_with_a_dflash2_drafter_emits_the_target_distribution(tmp_path)
     whole loop (sampled walk, its q, the acceptance rule, the caches). 300 runs detect gross errors only;
     the next test is the sharp check of the q the walk reports."""
     from dflash.decode.evaluate import speculative_generate, untrained_drafter
-    from dflash.model.dflash2 import DFlash2Config
+    from dflash.kinds.dflash2.dflash2_drafter import DFlash2Config
     from dflash.model.target import Target
     from tests.dflash.decode.test_spec_sampling import ALPHA, chi_square_p
     from tests.support.dflash_tiny import save_tiny_target
@@ -90,7 +90,7 @@ def test_the_sampled_walk_draws_from_the_q_it_reports(tmp_path):
     from collections import Counter
 
     from dflash.decode.evaluate import untrained_drafter
-    from dflash.model.dflash2 import DFlash2Config
+    from dflash.kinds.dflash2.dflash2_drafter import DFlash2Config
     from dflash.model.target import Target
     from tests.dflash.decode.test_spec_sampling import ALPHA, chi_square_p
     from tests.support.dflash_tiny import save_tiny_target

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.errors import DrafterError
 from dflash.io.drafter_dir import expected_tensors, load_drafter, read_drafter_config, save_drafter
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Config, DFlash2Drafter
 from dflash.model.drafter import Drafter, DrafterConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -13,7 +13,7 @@ import torch
 
 from dflash.io.drafter_dir import load_drafter, save_drafter
 from dflash.kinds import DFLASH, DFLASH2
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Config, DFlash2Drafter
 from dflash.model.masks import drafter_attention_mask
 from dflash.model.target import Target
 from tests.support.dflash_tiny import save_tiny_target

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.io.drafter_dir import load_drafter, read_drafter_config, save_drafter
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Config, DFlash2Drafter
 from tests.dflash.io.test_serving_engines import reference_model  # noqa: F401  (the fixture)
 from tests.support import engine_import_double as double
 from tests.support.serving_wheels import wheel

@@ -9,7 +9,7 @@ import torch
 from dflash.errors import DrafterError
 from dflash.io.drafter_dir import load_drafter, read_drafter_config, save_drafter
 from dflash.kinds import build_drafter
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter, block_conv
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Config, DFlash2Drafter, block_conv
 from dflash.model.drafter import Drafter, DrafterConfig
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.model.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Config, DFlash2Drafter
 from dflash.objective.losses import position_weights
-from dflash.objective.selector_loss import dflash2_sums
+from dflash.kinds.dflash2.selector_loss import dflash2_sums
 
 SHAPE = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
              intermediate_size=24, vocab_size=40, block_size=4, num_target_layers=4, target_layer_ids=[1],

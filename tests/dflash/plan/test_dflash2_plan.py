@@ -1,6 +1,6 @@
 """The planner counts a DFlash2 drafter: its parameters are DFlash's plus the convolutions and the selector."""
 
-from dflash.model.dflash2 import dflash2_extra_params
+from dflash.kinds.dflash2.dflash2_drafter import dflash2_extra_params
 from dflash.plan.sizes import drafter_shape, target_shape
 
 
@@ -45,7 +45,7 @@ def _saved_bytes(kind: str, B: int = 1, T: int = 512, N: int = 32, bs: int = 16)
 
 
 def test_dflash2_layer_activation_surplus_is_what_its_layers_keep():
-    """The memory model's DFlash2 surplus per layer x row x H (dflash.kinds.dflash2_kind) is what a DFlash2
+    """The memory model's DFlash2 surplus per layer x row x H (dflash.kinds.dflash2) is what a DFlash2
     drafter keeps for its backward beyond a DFlash drafter of the same shape, measured here, within 10 %."""
     from dflash.kinds import named
 

@@ -26,7 +26,7 @@ import torch
 from dflash.cli import train_main
 from dflash.config.drafters import drafter_out
 from dflash.io.drafter_dir import load_drafter
-from dflash.model.dflash2 import DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Drafter
 from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import drop_run_log_handlers, train_args, write_chat_jsonl
 

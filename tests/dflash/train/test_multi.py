@@ -267,7 +267,7 @@ def test_a_dflash_and_a_dflash2_drafter_train_on_one_pipelined_target(tiny, tmp_
     import sys
 
     from dflash.io.drafter_dir import load_drafter
-    from dflash.model.dflash2 import DFlash2Drafter
+    from dflash.kinds.dflash2.dflash2_drafter import DFlash2Drafter
 
     target, data = tiny
     sweep = tmp_path / "sweep.toml"

@@ -15,7 +15,7 @@ from dflash.cli import train_config, train_main
 from dflash.config.drafters import drafter_out
 from dflash.errors import CheckpointError
 from dflash.io.drafter_dir import load_drafter
-from dflash.model.dflash2 import DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Drafter
 from dflash.train.records.rundir import RunDir
 from dflash.train.trainer import train
 from tests.support.dflash_train_fixtures import (drop_run_log_handlers, read_metrics, train_args)

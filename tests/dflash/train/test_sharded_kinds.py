@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.io.drafter_dir import load_drafter
-from dflash.model.dflash2 import DFlash2Drafter
+from dflash.kinds.dflash2.dflash2_drafter import DFlash2Drafter
 from dflash.train.records.rundir import RunDir
 from tests.support.dflash_train_fixtures import save_chat_target, train_args, write_chat_jsonl
 

@@ -6,7 +6,7 @@ For each scored block slot k (1..bs-1) with label y_k and position weight w_k = 
              + alpha * sum w_k * m_k * CE(S_k(y_{k-1}, candidates_k), index of y_k)
     weight   = sum w_k                                                     (loss = loss_sum / weight)
 
-unary_k = lm_head(h_k) * output_multiplier, soft-capped (dflash.model.selector.unary_logits); the
+unary_k = lm_head(h_k) * output_multiplier, soft-capped (dflash.kinds.dflash2.selector.unary_logits); the
 candidates are unary_k's top K; the predecessor is teacher-forced: the true token before slot k (the
 anchor for k = 1), which is what the decode-time walk holds while every earlier slot was right.
 

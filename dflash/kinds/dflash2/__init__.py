@@ -1,5 +1,5 @@
 """The DFlash2 drafter kind: DFlash plus block-local dynamic convolutions and a candidate selector
-(dflash.model.dflash2), trained with DFlash's loss plus the selector's (dflash.objective.selector_loss),
+(dflash.kinds.dflash2.dflash2_drafter), trained with DFlash's loss plus the selector's (dflash.kinds.dflash2.selector_loss),
 proposing the selector's walk over its top-K candidates. docs/dflash2.md lists each part's sources.
 
 What its layout adds to the reference DFlash layout on disk (dflash.io.drafter_dir reads and writes both):
@@ -12,7 +12,7 @@ What its layout adds to the reference DFlash layout on disk (dflash.io.drafter_d
     candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}
 
     auto_map {"AutoModel": "modeling_dflash2.DFlash2DraftModel"}   transformers' trust_remote_code path:
-    modeling_dflash2.py (dflash/kinds/remote_dflash2.py, self-contained) is written beside the weights
+    modeling_dflash2.py (dflash/kinds/dflash2/remote_dflash2.py, self-contained) is written beside the weights
 
 not modeling_dflash.py, whose DFlashDraftModel would load a DFlash2 drafter without its convolutions and
 selector.
@@ -26,9 +26,9 @@ import torch
 
 from dflash.errors import DrafterError
 from dflash.kinds.kind import DrafterKind
-from dflash.io.config_values import as_float
-from dflash.model.dflash2 import DFLASH2_KEYS, DFlash2Config, DFlash2Drafter
-from dflash.objective.selector_loss import dflash2_sums
+from dflash.kinds.config_values import as_float
+from dflash.kinds.dflash2.dflash2_drafter import DFLASH2_KEYS, DFlash2Config, DFlash2Drafter
+from dflash.kinds.dflash2.selector_loss import dflash2_sums
 
 ARCHITECTURE = "DFlash2DraftModel"
 _REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # vLLM reads them with []

@@ -2,7 +2,7 @@
 
 dflash-images writes this file beside a DFlash2 drafter's config.json as `modeling_dflash2.py` (config.json's
 "auto_map" names it), so the drafter loads without this project installed. Like modeling_dflash.py
-(dflash/kinds/remote_dflash.py) it imports only torch and transformers, and it stands alone: transformers copies
+(dflash/kinds/dflash/remote_dflash.py) it imports only torch and transformers, and it stands alone: transformers copies
 a remote-code file into its module cache, and this one needs no other file beside it.
 
     model = AutoModel.from_pretrained(DIR, trust_remote_code=True)      # a DFlash2DraftModel

@@ -1,5 +1,5 @@
 """The DFlash2 drafter: DFlash (dflash.model.drafter) plus block-local dynamic convolutions and a candidate
-selector (dflash.model.selector), as vLLM (qwen3_dflash2.py), SGLang (models/dflash.py) and the reference
+selector (dflash.kinds.dflash2.selector), as vLLM (qwen3_dflash2.py), SGLang (models/dflash.py) and the reference
 DFlash2DraftModel compute it. docs/dflash2.md describes each part and its sources.
 
 Every decoder layer wraps its attention and its MLP in one grouped dynamic convolution each:
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.model.drafter import Drafter, DrafterConfig, DrafterLayer
-from dflash.model.selector import CandidateSelector, unary_logits
+from dflash.kinds.dflash2.selector import CandidateSelector, unary_logits
 
 @dataclass(kw_only=True)
 class DFlash2Config(DrafterConfig):
