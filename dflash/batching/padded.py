@@ -12,6 +12,12 @@ from dflash.batching.shares import padded_share
 from dflash.data.batches import DataOrder, collate, make_batches
 
 
+def _per_sequence(share, max_anchors: int, seed_of) -> list[torch.Tensor]:
+    """Each sequence's anchors, from a generator seeded by `seed_of(its sample index)`."""
+    return [sample_anchors(item["loss_mask"], max_anchors, torch.Generator().manual_seed(seed_of(i)))
+            for i, item in zip(share.indices, share.items)]
+
+
 class Padded(Batching):
     name, flag, unit, title = "padded", "off", "padded batches", "padded length-bucketed batches"
 
@@ -26,10 +32,8 @@ class Padded(Batching):
     def anchors(self, rank_batch, config, epoch):
         """Each sequence's own anchors, from a generator seeded by its index: the same whatever else the
         run trains, on any rank."""
-        share = rank_batch.share
-        anchors = [sample_anchors(item["loss_mask"], config.model.max_anchors,
-                                  torch.Generator().manual_seed(anchor_seed(config.optim.seed, epoch, i)))
-                   for i, item in zip(share.indices, share.items)]
+        anchors = _per_sequence(rank_batch.share, config.model.max_anchors,
+                                lambda i: anchor_seed(config.optim.seed, epoch, i))
         return anchors, anchors
 
     def context(self, target, batch):
@@ -40,9 +44,7 @@ class Padded(Batching):
         for batch_ids in make_batches(lengths, config.optim.max_tokens, config.optim.batch_size, config.optim.seed,
                                       epoch=0):
             share = padded_share(batch_ids, items, d)
-            anchors = [sample_anchors(item["loss_mask"], config.model.max_anchors,
-                                      torch.Generator().manual_seed(EVAL_ANCHOR_SEED + i))
-                       for i, item in zip(share.indices, share.items)]
+            anchors = _per_sequence(share, config.model.max_anchors, lambda i: EVAL_ANCHOR_SEED + i)
             yield RankBatch(share, on_device(collate(share.items, pad_id), d.device), anchors, anchors)
 
     def worst_shapes(self, world):
