@@ -143,13 +143,14 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
 
 
 PHASES: list = []  # the memory_phases.PhaseMemory of the variant running (--memory-phases)
-LEVERS = ("norms", "bounds")
+LEVERS = ("norms", "bounds", "mlp")
 
 
 def undo_levers(names: list[str]) -> None:
     """Put back the code before these step changes, for before/after rows in one run (bench/NOTES.md):
     norms   the target's RMSNorms eager (dflash.model.fused_norms not applied)
-    bounds  a fresh int64 cu_seqlens in every GatedDeltaNet layer (dflash.model.segment_kernels.long_bounds)"""
+    bounds  a fresh int64 cu_seqlens in every GatedDeltaNet layer (dflash.model.segment_kernels.long_bounds)
+    mlp     the target MLPs' SiLU, product and down-projection quantisation eager (dflash.model.fused_mlp)"""
     unknown = sorted(set(names) - set(LEVERS))
     if unknown:
         raise SystemExit(f"--without {','.join(unknown)}: choose from {', '.join(LEVERS)}")
@@ -161,6 +162,10 @@ def undo_levers(names: list[str]) -> None:
         import dflash.model.segment_kernels as segment_kernels
 
         segment_kernels.long_bounds = lambda cu_seqlens: cu_seqlens.to(torch.long)
+    if "mlp" in names:
+        import dflash.model.target as target_module
+
+        target_module.fuse_mlps = lambda model: 0
 
 
 def record_step_flops(target) -> list[tuple[float, float]]:
