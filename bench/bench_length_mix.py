@@ -47,6 +47,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "bench"))  # memory_phases, beside this file
 
 from common.cmd import kill_group  # noqa: E402
 from dflash.config import TrainConfig  # noqa: E402
@@ -117,6 +118,8 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
         if len(stamps) == args.steps + args.warmup:
             row.update(step_figures(variant, start, stamps, graphs, peaks if device.type == "cuda" else [], args.warmup))
             row.update(physical_limit(row, flops, args), without=args.without)
+            if PHASES:
+                row.update(PHASES[-1].summary())
             if on_row:
                 on_row(row)
         return False
@@ -125,6 +128,10 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
                 dict(packing="off", batch_size=args.batch_size, max_tokens=args.max_tokens, max_anchors=args.anchors))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        if args.memory_phases or args.memory_snapshot:
+            from memory_phases import PhaseMemory
+
+            PHASES.append(PhaseMemory(device, args.memory_phases or 1, args.memory_snapshot).install(target))
     with tempfile.TemporaryDirectory(prefix="bench-mix-", dir=args.work_dir) as out:
         cfg = TrainConfig.from_flat(out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
                                     max_length=args.max_length, max_steps=args.steps + args.warmup, epochs=0,
@@ -135,13 +142,15 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
     return row or step_figures(variant, start, stamps, graphs, peaks if device.type == "cuda" else [], args.warmup)
 
 
-LEVERS = ("norms", "bounds")
+PHASES: list = []  # the memory_phases.PhaseMemory of the variant running (--memory-phases)
+LEVERS = ("norms", "bounds", "mlp")
 
 
 def undo_levers(names: list[str]) -> None:
     """Put back the code before these step changes, for before/after rows in one run (bench/NOTES.md):
     norms   the target's RMSNorms eager (dflash.model.fused_norms not applied)
-    bounds  a fresh int64 cu_seqlens in every GatedDeltaNet layer (dflash.model.segment_kernels.long_bounds)"""
+    bounds  a fresh int64 cu_seqlens in every GatedDeltaNet layer (dflash.model.segment_kernels.long_bounds)
+    mlp     the target MLPs' SiLU, product and down-projection quantisation eager (dflash.model.fused_mlp)"""
     unknown = sorted(set(names) - set(LEVERS))
     if unknown:
         raise SystemExit(f"--without {','.join(unknown)}: choose from {', '.join(LEVERS)}")
@@ -153,6 +162,10 @@ def undo_levers(names: list[str]) -> None:
         import dflash.model.segment_kernels as segment_kernels
 
         segment_kernels.long_bounds = lambda cu_seqlens: cu_seqlens.to(torch.long)
+    if "mlp" in names:
+        import dflash.model.target as target_module
+
+        target_module.fuse_mlps = lambda model: 0
 
 
 def record_step_flops(target) -> list[tuple[float, float]]:
@@ -287,6 +300,10 @@ def run_here(args, variants: list[str], lengths: list[int], shape: dict, device:
     """Every variant in this process, one target for all; `save` gets the rows so far each time one is done
     (the row of a variant as soon as its last step ends)."""
     undo_levers([n for n in args.without.split(",") if n])
+    if args.recompute_layers:
+        from dflash.model.drafter import Drafter
+
+        Drafter.recompute_layers = args.recompute_layers
     if device.type == "cuda":  # measured before the target takes the memory, in the process that trains
         args.matmul_peak = matmul_peak(device)
         print(json.dumps({"card": torch.cuda.get_device_name(device), "matmul_peak_tflops": round(args.matmul_peak, 1)}),
@@ -304,7 +321,8 @@ def run_here(args, variants: list[str], lengths: list[int], shape: dict, device:
         try:
             rows.append(run_variant(target, items, args, variant, device, on_row=lambda row: save(rows + [row])))
         except Exception as e:  # one failing variant must not lose the other's figures
-            rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            rows.append({"variant": variant, "error": f"{type(e).__name__}: {str(e)[:2000]}",
+                         **(PHASES[-1].summary() if PHASES else {})})
         # Outside the except block: a failed variant's frames (its drafter, optimizer state, activations) are
         # released only with its exception. Freed inside it, the next variant started with them still held and
         # ran out of memory (bench/results/h200/length-mix-27b-run1.log). Each variant compiles afresh.
@@ -345,6 +363,13 @@ def main(argv=None) -> int:
                    help="quantise the random target to block FP8 (the 27B shape then fits an 80 GB card)")
     p.add_argument("--without", default="", help=f"comma list of step changes to undo ({', '.join(LEVERS)}): "
                    "the 'before' of a before/after row")
+    p.add_argument("--recompute-layers", type=int, default=0,
+                   help="the drafter's first N decoder layers recompute their activations in the backward "
+                   "(dflash.model.drafter.Drafter.recompute_layers)")
+    p.add_argument("--memory-phases", type=int, default=0,
+                   help="record GPU memory at each phase of the first N micro-batches (bench/memory_phases.py)")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="record every allocation's stack; on out of memory, list what holds the memory")
     p.add_argument("--fixed-tokens-per-s", type=float, default=None,
                    help="the fixed-shape figure to compare with, where the fixed variant is not run here")
     p.add_argument("--processes", choices=("one", "each"), default=None,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash.model.masks import drafter_attention_mask
 from dflash.model.segments import Segments
@@ -299,6 +300,11 @@ class Drafter(nn.Module):
     """fc + RMSNorm over the tapped target states, `num_hidden_layers` DrafterLayers, a final RMSNorm."""
 
     layer_class = DrafterLayer  # a drafter kind with other layers (dflash.kinds.dflash2.dflash2_drafter) names its own
+    # The first `recompute_layers` decoder layers keep only their input for the backward, which runs each of
+    # them forward again (activation checkpointing, non-reentrant; a compiled layer reruns its compiled
+    # graph): about 3 GB less per layer at the 27B shape with 1,024 anchors x block 16, for one more layer
+    # forward (bench/NOTES.md). How, not what: not part of the checkpoint; the same numbers either way.
+    recompute_layers: int = 0
 
     def __init__(self, config: DrafterConfig, attention: str = "sdpa"):
         super().__init__()
@@ -365,8 +371,11 @@ class Drafter(nn.Module):
             masks[kind] = ((flex_block_mask(mask), flex_kernel_options(mask.device, c.head_dim))
                            if flex else mask.unsqueeze(1))
 
-        for layer, kind in zip(self.layers, c.layer_types):
-            x = layer(x, ctx, rope_q, rope_kv, masks[kind])
+        for i, (layer, kind) in enumerate(zip(self.layers, c.layer_types)):
+            if i < self.recompute_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope_q, rope_kv, masks[kind], use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_kv, masks[kind])
         return self.norm(x)
 
     def compile_layers(self) -> "Drafter":

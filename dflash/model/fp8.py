@@ -96,18 +96,25 @@ def scaled_mm_fits(n: int, k: int) -> bool:
     return k % (4 * BLOCK) == 0 and n % BLOCK == 0
 
 
+def scaled_mm_quantized(xq, xs, weight, scale_inv, out_dtype, bias=None):
+    """The block-scaled GEMM of activations already quantised (xq [M, K] fp8, M a multiple of 16; xs [M, K/128]
+    column-major) on SM 9.0: torch.nn.functional.scaled_mm with (BlockWise1x128, BlockWise128x128) scales."""
+    from torch.nn.functional import ScalingType
+
+    y = F.scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128,
+                    scale_inv.t(), ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return y + bias if bias is not None else y
+
+
 def gemm_scaled_mm(x, weight, scale_inv, bias=None):
     """torch.nn.functional.scaled_mm, activations 1x128 and weights 128x128 (SM 9.0); the activations are
     quantised by dflash.model.fp8_triton (its scales come column-major, the layout scaled_mm reads)."""
-    from torch.nn.functional import ScalingType
-
     from dflash.model.fp8_triton import quantize_activation as quantize_on_gpu
 
     m = x.shape[0]
     pad = (-m) % 16  # the FP8 GEMMs take M in multiples of 16
     xq, xs = quantize_on_gpu(F.pad(x, (0, 0, 0, pad)) if pad else x)
-    y = F.scaled_mm(xq, weight.t(), xs, ScalingType.BlockWise1x128,
-                    scale_inv.t(), ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    y = scaled_mm_quantized(xq, xs, weight, scale_inv, x.dtype)
     y = y[:m] if pad else y
     return y + bias if bias is not None else y
 
@@ -183,6 +190,20 @@ class Fp8Linear(torch.nn.Module):
         lead = x.shape[:-1]
         y = _GEMM_FNS[self._gemm](x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, self.bias)
         return y.view(*lead, self.out_features)
+
+    def takes_quantized(self, m: int) -> bool:
+        """Whether forward_quantized runs an [m, K] input: a quantising GEMM (scaled_mm needs m % 16 == 0)."""
+        return self._gemm == "triton" or (self._gemm == "scaled_mm" and m % 16 == 0)
+
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM of an input already quantised as dflash.model.fp8_triton quantises it: xq [M, K] fp8, xs
+        [M, ceil(K/128)] (takes_quantized(M) must hold) -> [M, N] in `out_dtype`."""
+        if self._gemm == "scaled_mm":
+            return scaled_mm_quantized(xq, xs, self.weight, self.weight_scale_inv, out_dtype, self.bias)
+        from dflash.model.fp8_triton import block_fp8_matmul
+
+        y = block_fp8_matmul(xq, xs, self.weight, self.weight_scale_inv, out_dtype)
+        return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, gemm={self._gemm}"

@@ -4,6 +4,7 @@ accumulation, and the activation quantisation that feeds it and torch's scaled_m
     quantize_activation(x)    [M, K] bf16/fp16/fp32 -> (xq [M, K] fp8, a_s [M, ceil(K/128)] fp32): one read of x,
                               one write of xq; a_s is column-major (scaled_mm's layout for 1x128 scales)
     block_fp8_matmul(...)     the GEMM below
+    silu_mul_quantize(g, u)   quantize_activation(silu(g) * u) in one pass (dflash.model.fused_mlp)
 
     xq [M, K] fp8, a_s [M, ceil(K/128)] fp32     activations, one scale per token and 128 columns
     W  [N, K] fp8, w_s [ceil(N/128), ceil(K/128)] fp32   weights, one scale per 128 x 128 block
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 BLOCK_K = 128  # the scale granularity along K: one activation scale and one weight scale per K step
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -60,6 +62,44 @@ def quantize_activation(x: torch.Tensor, rows: int = QUANT_ROWS) -> tuple[torch.
     _quantize_kernel[(triton.cdiv(m, rows), kb)](x, xq, scales, m, k, x.stride(0), x.stride(1), xq.stride(0),
                                                  xq.stride(1), scales.stride(0), scales.stride(1),
                                                  ROWS=rows, GROUP=BLOCK_K, FMAX=FP8_MAX)
+    return xq, scales
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(g_ptr, u_ptr, q_ptr, s_ptr, M, K, stride_gm, stride_gk, stride_um, stride_uk,
+                              stride_qm, stride_qk, stride_sm, stride_sk,
+                              ROWS: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr):
+    offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    kb = tl.program_id(1)
+    offs_k = kb * GROUP + tl.arange(0, GROUP)
+    inside = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=inside, other=0.0)
+    u = tl.load(u_ptr + offs_m[:, None] * stride_um + offs_k[None, :] * stride_uk, mask=inside, other=0.0)
+    # eager torch's arithmetic and roundings: silu(g) = g / (1 + exp(-g)) in fp32 (IEEE exp and division, as
+    # torch's CUDA kernel computes it), rounded to the activations' dtype; the product in fp32, rounded again
+    dt = g_ptr.dtype.element_ty
+    gf = g.to(tl.float32)
+    a = tl.math.div_rn(gf, 1.0 + libdevice.exp(-gf)).to(dt)
+    x = (a.to(tl.float32) * u.to(tl.float32)).to(dt).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FMAX, 1e-12)
+    x, by = tl.broadcast(x, scale[:, None])
+    q = tl.clamp(tl.math.div_rn(x, by), -FMAX, FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=inside)
+    tl.store(s_ptr + offs_m * stride_sm + kb * stride_sk, scale, mask=offs_m < M)
+
+
+def silu_mul_quantize(gate: torch.Tensor, up: torch.Tensor, rows: int = QUANT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activation(silu(gate) * up) in one pass: [M, K] bf16/fp16 gate and up -> (xq [M, K] fp8, scales
+    [M, ceil(K/128)] fp32, column-major), the same bytes as eager SiLU, product and quantisation."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
+    m, k = gate.shape
+    kb = triton.cdiv(k, BLOCK_K)
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=gate.device)
+    scales = torch.empty(kb, m, dtype=torch.float32, device=gate.device).t()  # [M, kb], stride (1, M)
+    _silu_mul_quantize_kernel[(triton.cdiv(m, rows), kb)](
+        gate, up, xq, scales, m, k, gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), xq.stride(0),
+        xq.stride(1), scales.stride(0), scales.stride(1), ROWS=rows, GROUP=BLOCK_K, FMAX=FP8_MAX)
     return xq, scales
 
 

@@ -31,6 +31,7 @@ import torch
 
 from dflash.errors import TargetError
 from dflash.model.fp8_checkpoint import check_fp8_target, fp8_precision
+from dflash.model.fused_mlp import fuse_mlps
 from dflash.model.fused_norms import compile_norms
 from dflash.model.kernels import kernel_functions, route_kernels_by_device
 from dflash.model.packed_attention import use_packed_attention
@@ -260,6 +261,7 @@ class Target:
         route_kernels_by_device(self._modeling_module)
         use_packed_attention(model)
         compile_norms(model)  # on a GPU: each RMSNorm one kernel (dflash.model.fused_norms)
+        fuse_mlps(model)  # on a GPU, FP8: SiLU x up and the down projection's quantisation one kernel
 
     @classmethod
     def load(cls, path, *, device="cpu", dtype=torch.float32, layer_ids=None, mask_token=None) -> "Target":
