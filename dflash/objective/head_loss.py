@@ -49,6 +49,20 @@ def _ce_rows_fn(device: torch.device):
     return _compiled
 
 
+def chunks(rows: int, chunk_rows: int) -> list[slice]:
+    """The row slices the head runs: full chunks of `chunk_rows`, then what is left, never a single row.
+
+    The scored rows of a step (M) differ from step to step, so the last chunk's size does too. On a GPU the
+    fused pass compiles once for a full chunk and once for a shorter one, whose row count is marked dynamic
+    (torch._dynamo.maybe_mark_dynamic): every later size reuses it. A chunk of one row would be compiled
+    apart (dynamo specialises sizes 0 and 1), a recompile in the middle of training, so a remainder of one
+    row takes one row from the chunk before it (chunk_rows - 1, then 2), both of the dynamic size."""
+    bounds = list(range(0, rows, chunk_rows)) + [rows]
+    if rows > chunk_rows and rows % chunk_rows == 1:
+        bounds[-2] -= 1
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 class _HeadCE(torch.autograd.Function):
     """sum_i w_i * CE(rows_i @ W^T, target_i) with its rows' gradient computed in the forward."""
 
@@ -61,10 +75,13 @@ class _HeadCE(torch.autograd.Function):
         grad = torch.empty(M, rows.shape[1], dtype=dtype, device=rows.device) if want_grad else None
         fn = _ce_rows_fn(rows.device)
         with torch.autocast(rows.device.type, enabled=False):
-            for start in range(0, M, chunk_rows):
-                part = slice(start, start + chunk_rows)
-                x = rows[part].to(dtype)
-                ce[part], top1[part], dlogits = fn(x @ w_c.T, targets[part], row_w[part], want_grad)
+            for part in chunks(M, chunk_rows):
+                x, t, rw = rows[part].to(dtype), targets[part], row_w[part]
+                logits = x @ w_c.T
+                if part.stop - part.start != chunk_rows:
+                    for tensor in (logits, t, rw):
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                ce[part], top1[part], dlogits = fn(logits, t, rw, want_grad)
                 if want_grad:
                     torch.mm(dlogits, w_c, out=grad[part])
                 del dlogits

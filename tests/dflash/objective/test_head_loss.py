@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dflash.objective import head_loss
 from dflash.objective.head_loss import fused_weighted_ce
 from dflash.objective.losses import default_gamma, dflash_loss, weighted_ce_from_hidden
 
@@ -85,3 +86,36 @@ def test_bad_shapes_are_named():
         fused_weighted_ce(hidden, weight, labels[:, :1], valid)
     with pytest.raises(ValueError, match="chunk_rows"):
         fused_weighted_ce(hidden, weight, labels, valid, None, 0)
+
+
+@pytest.mark.parametrize("rows,chunk_rows", [(1, 8), (8, 8), (9, 8), (17, 8), (23, 8), (5, 1), (4097, 2048)])
+def test_chunks_cover_the_rows_once_and_leave_no_single_row_behind(rows, chunk_rows):
+    parts = head_loss.chunks(rows, chunk_rows)
+    assert [i for part in parts for i in range(part.start, part.stop)] == list(range(rows))
+    sizes = [part.stop - part.start for part in parts]
+    assert all(size <= chunk_rows for size in sizes)
+    assert sizes[:-2] == [chunk_rows] * len(sizes[:-2])
+    if rows > chunk_rows > 2:
+        assert 1 not in sizes
+
+
+@pytest.mark.parametrize("chunk_rows,first_graphs", [(16, 2), (1000, 1)])
+def test_the_compiled_pass_compiles_in_the_first_step_only(monkeypatch, chunk_rows, first_graphs):
+    """Steps score different row counts. The first step compiles a graph for full chunks (if it has one) and
+    one for a shorter chunk, marked dynamic; no later row count compiles again. Before, a first step of one
+    short chunk compiled it static and the second step compiled it again (the GPU test of
+    tests/dflash/train/test_compiled_shapes.py counted one more graph at step 2)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(head_loss._ce_rows, backend="eager", dynamic=None)
+    monkeypatch.setattr(head_loss, "_ce_rows_fn", lambda device: compiled)
+    graphs = []
+    for seed, (B, N) in enumerate([(2, 9), (2, 7), (3, 9), (1, 11), (2, 10)]):
+        hidden, weight, labels, valid = _case(seed, B=B, N=N)
+        total, denom, _ = fused_weighted_ce(hidden, weight, labels, valid, None, chunk_rows=chunk_rows)
+        (total / denom).backward()
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    torch._dynamo.reset()
+    assert graphs == [first_graphs] * len(graphs), graphs
