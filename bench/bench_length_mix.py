@@ -136,7 +136,8 @@ def run_variant(target, items: list[dict], args, variant: str, device: torch.dev
         cfg = TrainConfig.from_flat(out=out, block_size=args.block_size, drafter_layers=args.drafter_layers,
                                     max_length=args.max_length, max_steps=args.steps + args.warmup, epochs=0,
                                     save_every=0, log_every=10**6, progress=False, device=str(device),
-                                    memory_check=False, drafter_kind=args.kind, **batching)
+                                    memory_check=False, drafter_kind=args.kind,
+                                    recompute_layers=args.recompute_layers, **batching)
         start = time.perf_counter()  # on_step reads it: the first step's time runs from here
         train(cfg, target=target, items=items, on_step=on_step, handle_signals=False)
     return row or step_figures(variant, start, stamps, graphs, peaks if device.type == "cuda" else [], args.warmup)
@@ -300,10 +301,6 @@ def run_here(args, variants: list[str], lengths: list[int], shape: dict, device:
     """Every variant in this process, one target for all; `save` gets the rows so far each time one is done
     (the row of a variant as soon as its last step ends)."""
     undo_levers([n for n in args.without.split(",") if n])
-    if args.recompute_layers:
-        from dflash.model.drafter import Drafter
-
-        Drafter.recompute_layers = args.recompute_layers
     if device.type == "cuda":  # measured before the target takes the memory, in the process that trains
         args.matmul_peak = matmul_peak(device)
         print(json.dumps({"card": torch.cuda.get_device_name(device), "matmul_peak_tflops": round(args.matmul_peak, 1)}),
@@ -365,7 +362,7 @@ def main(argv=None) -> int:
                    "the 'before' of a before/after row")
     p.add_argument("--recompute-layers", type=int, default=0,
                    help="the drafter's first N decoder layers recompute their activations in the backward "
-                   "(dflash.model.drafter.Drafter.recompute_layers)")
+                   "(dflash-train --recompute-layers)")
     p.add_argument("--memory-phases", type=int, default=0,
                    help="record GPU memory at each phase of the first N micro-batches (bench/memory_phases.py)")
     p.add_argument("--memory-snapshot", action="store_true",

@@ -60,6 +60,10 @@ class TrainConfig:
         if self.optim.max_tokens < self.model.max_length:
             raise ConfigError(f"--max-tokens {self.optim.max_tokens} is below --max-length {self.model.max_length}: "
                               "a full-length sequence would fit in no micro-batch. Raise --max-tokens.")
+        if self.runtime.recompute_layers > self.model.drafter_layers:
+            raise ConfigError(f"--recompute-layers {self.runtime.recompute_layers} is more than the drafter's "
+                              f"{self.model.drafter_layers} layers (--drafter-layers); pass "
+                              f"--recompute-layers {self.model.drafter_layers} or fewer.")
         batching.check_named(self)
 
     # --- derived ---------------------------------------------------------------------------------

@@ -206,6 +206,10 @@ class RuntimeConfig(Section):
     compile: str = opt("auto", "compile the drafter's decoder layers with torch.compile: 'auto' (on GPU), 'on', 'off' "
                        "(a first step that compiles takes about a minute longer; later steps are faster)",
                        choices=("auto", "on", "off"))
+    recompute_layers: int = opt(0, "the drafter's first N decoder layers keep only their input and run forward "
+                                "again in the backward (activation checkpointing): the same loss and gradients, "
+                                "about 3 GB less per layer at the 27B shape with 1,024 anchors, for one more "
+                                "forward of each (0: none; at most --drafter-layers)")
     memory_check: bool = opt(True, "before the target loads, refuse a --layout whose peak memory the memory model "
                               "(dflash plan) puts over what the GPU allows this process, naming a layout and batch "
                               "that fit; off: start anyway (no check on a CPU)")
@@ -229,7 +233,7 @@ class RuntimeConfig(Section):
     def __post_init__(self) -> None:
         self._check_common()
         self._at_least(1, "log_every", "keep_checkpoints")
-        self._at_least(0, "save_every", "cpu_threads", "target_stages")
+        self._at_least(0, "save_every", "cpu_threads", "target_stages", "recompute_layers")
         if self.target_stages and not Layout.of(self.layout).target_in_stages:
             raise ConfigError(f"--target-stages {self.target_stages} splits the target for --layout pipeline, and "
                               f"--layout is {self.layout}; drop --target-stages or pass --layout pipeline.")

@@ -304,6 +304,7 @@ class Drafter(nn.Module):
     # them forward again (activation checkpointing, non-reentrant; a compiled layer reruns its compiled
     # graph): about 3 GB less per layer at the 27B shape with 1,024 anchors x block 16, for one more layer
     # forward (bench/NOTES.md). How, not what: not part of the checkpoint; the same numbers either way.
+    # Set per run from --recompute-layers (dflash.train.lane).
     recompute_layers: int = 0
 
     def __init__(self, config: DrafterConfig, attention: str = "sdpa"):

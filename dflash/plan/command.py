@@ -48,6 +48,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--sliding-window", type=int, default=0)
+    p.add_argument("--recompute-layers", type=int, default=0, help="drafter layers that recompute their "
+                   "activations in the backward (dflash-train --recompute-layers)")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
     p.add_argument("--target-stages", type=int, default=0, help="--layout pipeline: stage ranks (0: every split tried)")
     p.add_argument("--micro-batches", type=int, default=4, help="--layout pipeline: micro-batches per step in flight")
@@ -191,7 +193,7 @@ def main(argv) -> int:
                           f"{card.name}; pass less than {card.memory_gb:g}")
     target = target_shape(args.target, precision=args.target_precision)
     drafter = drafter_shape(target, layers=args.drafter_layers, block_size=args.block_size,
-                            sliding_window=args.sliding_window)
+                            sliding_window=args.sliding_window, recompute=args.recompute_layers)
     mb = (MicroBatch(1, args.pack_tokens, args.pack_anchors) if args.pack_tokens else
           MicroBatch(args.batch_size, args.seq_len, args.anchors))
     if args.table:

@@ -23,10 +23,12 @@ Terms (bytes), from the code (dflash.train.step, dflash.model.drafter, dflash.ob
   drafter_activations what the drafter's forward keeps for its backward and the fused head's transients,
                       at the worst moment of the step (on the H200 always the end of the forward, with
                       the head's chunks):
-                        (c_layer + s) x L x R x H  +  c_ctx x B x T x H  +  c_mask x B x Q x (T + Q)
-                        + c_logit x min(M, 2048) x V
+                        (c_layer + s) x L' x R x H  +  c_input x r x R x H  +  c_ctx x B x T x H
+                        + c_mask x B x Q x (T + Q)  +  c_logit x min(M, 2048) x V
                       (M ~ R x (bs-1)/bs scored rows; 2048: LOSS_CHUNK_ROWS; s: the drafter kind's
-                      layer_activation_surplus over DFlash, 0 for DFlash). The c are bytes per element,
+                      layer_activation_surplus over DFlash, 0 for DFlash; r of the L layers recomputed in
+                      the backward (--recompute-layers) keep only their bf16 input, and L' = L - r layers keep
+                      everything, or one while a recomputed layer runs again if r = L). The c are bytes per element,
                       measured on the H200 (bench/bench_plan.py fits them on calibration shapes and checks
                       the model on others); in fp32 every activation byte count doubles.
   weights_in_flight   c_param x P / D: autocast's bf16 copies of the weights during the drafter's step
@@ -64,6 +66,7 @@ COEFFS = {
     "mask": 0.0,       # c_mask: per element of the [B, Q, T+Q] mask (fitted 0: the dense mask is built and
                        # turned into flex's BlockMask before the layers' activations exist)
     "logit": 5.15,     # c_logit: per element of one [2048, V] chunk of the fused head
+    "input": 2.0,      # c_input: per recomputed layer x block row x H (its bf16 input; not fitted: its size)
     "param": 1.61,     # c_param: per drafter parameter (autocast's bf16 weight copies)
 }
 CONTEXT_GB = 0.8       # CUDA context + module images: device memory in use minus reserved, 0.79-0.80 GB (H200)
@@ -115,7 +118,10 @@ def activation_terms(target: TargetShape, drafter: DrafterShape, mb: MicroBatch,
     R = B * Q
     scored = R * (drafter.block_size - 1) // drafter.block_size
     target_fwd = c["target"] * B * T * H
-    drafter_act = ((c["layer"] + drafter.layer_surplus) * drafter.layers * R * H + c["ctx"] * B * T * H + c["mask"] * B * Q * (T + Q)
+    r = drafter.recomputed
+    kept = max(drafter.layers - r, min(r, 1))  # all recomputed: one layer's activations while it reruns
+    drafter_act = ((c["layer"] + drafter.layer_surplus) * kept * R * H + c["input"] * r * R * H
+                   + c["ctx"] * B * T * H + c["mask"] * B * Q * (T + Q)
                    + c["logit"] * min(scored, LOSS_CHUNK_ROWS) * target.vocab)
     return {"target_forward": scale * target_fwd / GB, "drafter_activations": scale * drafter_act / GB,
             "weights_in_flight": c["param"] * drafter.params / GB}

@@ -169,7 +169,8 @@ def run_shapes(config, target_path) -> tuple[TargetShape, DrafterShape, MicroBat
     model = config.model
     drafter = drafter_shape(target, layers=model.drafter_layers, block_size=model.block_size,
                             tapped=len(model.target_layer_ids) if model.target_layer_ids else None,
-                            sliding_window=model.sliding_window, kind=model.drafter_kind)
+                            sliding_window=model.sliding_window, kind=model.drafter_kind,
+                            recompute=config.runtime.recompute_layers)
     return target, drafter, MicroBatch(batch=1, seq_len=model.max_length, anchors=model.max_anchors)
 
 
@@ -181,7 +182,8 @@ def stacked(drafters: list[DrafterShape]) -> DrafterShape:
     return DrafterShape(layers=max(dr.layers for dr in drafters), hidden=largest.hidden,
                         tapped=max(dr.tapped for dr in drafters), block_size=max(dr.block_size for dr in drafters),
                         params=sum(dr.params for dr in drafters), unit_params=max(dr.unit_params for dr in drafters),
-                        config=largest.config, layer_surplus=max(dr.layer_surplus for dr in drafters))
+                        config=largest.config, layer_surplus=max(dr.layer_surplus for dr in drafters),
+                        recomputed=min(dr.recomputed for dr in drafters))
 
 
 def worst_micro_batches(batching, world: int) -> list[MicroBatch]:

@@ -76,6 +76,7 @@ class DrafterShape:
     unit_params: int     # the largest FSDP unit: one decoder layer
     config: object       # the DrafterConfig it was counted from (FLOPs read it)
     layer_surplus: float = 0.0  # its kind's layer_activation_surplus (dflash.kinds.kind)
+    recomputed: int = 0  # layers that keep only their input for the backward (dflash-train --recompute-layers)
 
 
 def _meta_params(module: torch.nn.Module) -> int:
@@ -285,10 +286,11 @@ def target_shape(spec: str, layers: int | None = None, precision: str = "auto") 
 
 
 def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, tapped: int | None = None,
-                  sliding_window: int = 0, kind: str = DEFAULT) -> DrafterShape:
+                  sliding_window: int = 0, kind: str = DEFAULT, recompute: int = 0) -> DrafterShape:
     """The drafter dflash-train would build for `target` (DrafterConfig.from_target's shape: the target's
     attention shape, `tapped` layers, by default min(5, layers - 3) as Target taps them), counted: the
-    model of drafter kind `kind` built on the meta device (a DFlash2 drafter's convolutions and selector too)."""
+    model of drafter kind `kind` built on the meta device (a DFlash2 drafter's convolutions and selector too);
+    `recompute`: its first layers recompute their activations in the backward (--recompute-layers)."""
     from dflash.kinds import named
     from dflash.model.drafter import FULL, SLIDING
     from dflash.model.target import default_layer_ids
@@ -309,4 +311,4 @@ def drafter_shape(target: TargetShape, layers: int = 5, block_size: int = 16, ta
         drafter = drafter_kind.build(config)
     return DrafterShape(layers=layers, hidden=target.hidden, tapped=len(ids), block_size=block_size,
                         params=_meta_params(drafter), unit_params=_meta_params(drafter.layers[0]), config=config,
-                        layer_surplus=drafter_kind.layer_activation_surplus)
+                        layer_surplus=drafter_kind.layer_activation_surplus, recomputed=min(recompute, layers))

@@ -65,6 +65,7 @@ class Lane:
         attention = attention_impl(config, d.device, self.drafter_config.head_dim)
         self.kind = kind_of(self.drafter_config)
         self.drafter = self.kind.build(self.drafter_config, attention=attention).to(d.device)
+        self.drafter.recompute_layers = config.runtime.recompute_layers
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
         self.layout = config.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.parallel.layouts)

@@ -240,7 +240,8 @@ def check_memory(config: TrainConfig, configs: dict[str, TrainConfig], layers: d
     target = target_shape_from_dir(resolve_target(config.io.target))
     shapes = [drafter_shape(target, layers=cfg.model.drafter_layers, block_size=cfg.model.block_size,
                             tapped=len(layers[name]), sliding_window=cfg.model.sliding_window,
-                            kind=cfg.model.drafter_kind) for name, cfg in configs.items()]
+                            kind=cfg.model.drafter_kind, recompute=cfg.runtime.recompute_layers)
+              for name, cfg in configs.items()]
     widest = config.replace(max_anchors=max(cfg.model.max_anchors for cfg in configs.values()))
     check_training_fits(widest, world, card_gb, config.runtime.layout, batching=type(batching)(widest),
                         drafters=shapes)

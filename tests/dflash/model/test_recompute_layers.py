@@ -67,3 +67,32 @@ def test_no_recompute_without_gradients():
     with torch.no_grad():
         out = drafter(*inputs())
     assert not out.requires_grad
+
+
+def test_more_recomputed_layers_than_the_drafter_has_are_refused_by_name():
+    from dflash.config import TrainConfig
+    from dflash.errors import ConfigError
+
+    assert TrainConfig.from_flat(drafter_layers=3, recompute_layers=3).runtime.recompute_layers == 3
+    with pytest.raises(ConfigError, match="--recompute-layers 4 is more than the drafter's 3 layers"):
+        TrainConfig.from_flat(drafter_layers=3, recompute_layers=4)
+    with pytest.raises(ConfigError, match="recompute"):
+        TrainConfig.from_flat(recompute_layers=-1)
+
+
+def test_the_memory_model_counts_a_recomputed_layer_as_its_input():
+    """27B shape, one packed row of 8,192 tokens with 1,024 anchors: each recomputed layer keeps 2 bytes per
+    block row x H instead of c_layer (+ the kind's surplus); with every layer recomputed one layer's
+    activations still exist while it runs again."""
+    from dflash.plan.memory import COEFFS, MicroBatch, activation_terms
+    from dflash.plan.sizes import drafter_shape, target_shape
+
+    target = target_shape("27b")
+    mb = MicroBatch(1, 8192, 1024)
+    rows_h = 1024 * 16 * target.hidden / 1e9
+    for kind in ("dflash", "dflash2"):
+        act = {r: activation_terms(target, drafter_shape(target, kind=kind, recompute=r), mb, "bf16")
+               ["drafter_activations"] for r in (0, 2, 5)}
+        per_layer = (COEFFS["layer"] + drafter_shape(target, kind=kind).layer_surplus) * rows_h
+        assert act[0] - act[2] == pytest.approx(2 * (per_layer - COEFFS["input"] * rows_h))
+        assert act[0] - act[5] == pytest.approx(4 * per_layer - 5 * COEFFS["input"] * rows_h)

@@ -103,9 +103,11 @@ def _cut_to_step_2(run: Path, cut: Path) -> None:
 @pytest.mark.slow  # one torchrun launch of 2 gloo processes (about 25 s on a 2-core machine)
 def test_shard_on_two_processes_matches_one_process(toy, tmp_path):
     """FSDP2 over 2 ranks (batch 5: an uneven 3 + 2 split) against the plain process; its checkpoint is
-    DCP shards, one file per rank, beside the gathered fp32 drafter."""
+    DCP shards, one file per rank, beside the gathered fp32 drafter. Both drafter layers recompute their
+    activations in the backward (--recompute-layers, activation checkpointing inside FSDP2's units): the
+    same run."""
     root, target, data = toy
-    _launch(tmp_path, 2, train_args(target, data, tmp_path / "shard", layout="shard", **OPTS))
+    _launch(tmp_path, 2, train_args(target, data, tmp_path / "shard", layout="shard", recompute_layers=2, **OPTS))
     assert_same_run(root / "one", tmp_path / "shard")
     last = ckpt.latest_checkpoint(RunDir(tmp_path / "shard").checkpoints)
     assert sorted(p.name for p in (last / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
@@ -115,9 +117,11 @@ def test_shard_on_two_processes_matches_one_process(toy, tmp_path):
 @pytest.mark.slow  # one torchrun launch of 2 gloo processes
 def test_offload_on_two_processes_matches_one_process(toy, tmp_path):
     """CPU offload (on a CPU device the state stays where it is, but FSDP2 runs its offload path: the
-    AdamW step over the sharded host copies) against the plain process."""
+    AdamW step over the sharded host copies) against the plain process; the first drafter layer recomputes
+    its activations in the backward."""
     root, target, data = toy
-    _launch(tmp_path, 2, train_args(target, data, tmp_path / "offload", layout="offload", **OPTS))
+    _launch(tmp_path, 2, train_args(target, data, tmp_path / "offload", layout="offload", recompute_layers=1,
+                                    **OPTS))
     assert_same_run(root / "one", tmp_path / "offload")
 
 
@@ -196,10 +200,12 @@ def test_a_replicate_checkpoint_is_refused_by_a_sharded_layout(toy):
 @pytest.mark.slow  # one torchrun launch of 4 gloo processes (about 70 s on a 2-core machine)
 def test_pipeline_on_four_processes_matches_one_process(toy, tmp_path):
     """2 drafter ranks (FSDP2 between them) fed by 2 target stages (layers 0-1 and 2-3 of the 4-layer
-    target; the tapped layers sit in both) against the plain process."""
+    target; the tapped layers sit in both) against the plain process, the drafter's layers recomputed in the
+    backward."""
     root, target, data = toy
     out = tmp_path / "pipeline"
-    _launch(tmp_path, 4, train_args(target, data, out, layout="pipeline", target_stages=2, **OPTS))
+    _launch(tmp_path, 4, train_args(target, data, out, layout="pipeline", target_stages=2, recompute_layers=2,
+                                    **OPTS))
     assert_same_run(root / "one", out)
     last = ckpt.latest_checkpoint(RunDir(out).checkpoints)
     assert sorted(p.name for p in (last / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
