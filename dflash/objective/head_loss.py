@@ -56,7 +56,8 @@ def chunks(rows: int, chunk_rows: int) -> list[slice]:
     fused pass compiles once for a full chunk and once for a shorter one, whose row count is marked dynamic
     (torch._dynamo.maybe_mark_dynamic): every later size reuses it. A chunk of one row would be compiled
     apart (dynamo specialises sizes 0 and 1), a recompile in the middle of training, so a remainder of one
-    row takes one row from the chunk before it (chunk_rows - 1, then 2), both of the dynamic size."""
+    row takes one row from the chunk before it (chunk_rows - 1, then 2), both of the dynamic size (for
+    chunk_rows >= 3; the training step's is LOSS_CHUNK_ROWS)."""
     bounds = list(range(0, rows, chunk_rows)) + [rows]
     if rows > chunk_rows and rows % chunk_rows == 1:
         bounds[-2] -= 1
