@@ -3,7 +3,7 @@
     python bench/bench_layouts.py --json out.json        one H200: the 27B-shape random target (54 GB bf16)
     python bench/bench_layouts.py --preset large --hidden 1024 --layers 8 --vocab 32000   (a small try)
 
-One process (world size 1), the trainer's own pieces: dflash.train.parallel.layouts wraps the drafter and builds
+One process (world size 1), the trainer's own pieces: dflash.train.parallel.drafter_state wraps the drafter and builds
 AdamW as `--layout` does, dflash.train.step runs each micro-batch (target forward, drafter forward and
 loss, backward), then the gradient clip and the AdamW step, as the trainer does. The micro-batch is the
 recipe's standard one: --batch-size 2 x --seq-len 4096 tokens, --anchors 512 per sequence, block 16, the
@@ -40,7 +40,7 @@ import torch
 from dflash import distributed
 from dflash.config import TrainConfig
 from dflash.model.drafter import Drafter, DrafterConfig
-from dflash.train.parallel import layouts
+from dflash.train.parallel import drafter_state, layouts
 from dflash.model.shapes import QWEN35_27B, random_target, scaled_qwen35_shape
 from dflash.train.step import backward, micro_batch_sums
 from dflash.train.probes.synthetic import collate_with_anchors, synthetic_items
@@ -91,8 +91,9 @@ def run_layout(layout: str, target, dcfg, batch, anchors, d, args, cap_gb: float
         with torch.device(d.device):
             drafter = Drafter(dcfg, attention="flex" if cuda else "sdpa")
         config = TrainConfig.from_flat(layout=layout, device=str(d.device.type))
-        model = layouts.wrap_drafter(drafter, config.layout, d, compile=cuda and not args.no_compile)
-        opt = layouts.optimizer(drafter, config, d)
+        state = drafter_state.of(config.layout)
+        model = state.wrap(drafter, d, compile=cuda and not args.no_compile)
+        opt = state.optimizer(drafter, config, d)
         if cuda:
             torch.cuda.reset_peak_memory_stats(d.device)
         times = []

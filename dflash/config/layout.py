@@ -7,8 +7,10 @@ everywhere else asks a Layout what it does (tests/dflash/test_layering.py holds 
     offload    shard, with that share in host memory and the AdamW step on the CPU
     pipeline   the target's layers in stages on their own ranks; the drafter sharded (as shard) over the others
 
-How each is built, checkpointed and gathered: dflash.train.parallel.layouts, dflash.train.parallel.sharded_checkpoint,
-dflash.train.parallel.pipeline; what each costs: dflash.plan.memory and dflash.plan.throughput.
+What the facts do: dflash.train.parallel.drafter_state (how the drafter's state is kept: the process group, the
+wrapper, the optimizer, the checkpoints, the whole drafter gathered), dflash.train.parallel.pipeline (the target's
+stages), dflash.train.parallel.layouts (a launch checked against its layout); what each costs: dflash.plan.memory
+and dflash.plan.throughput.
 """
 
 from __future__ import annotations
@@ -34,17 +36,6 @@ class Layout:
         if missing:
             raise ConfigError(f"layout {self.name!r}: {missing}; the layouts that run are "
                               f"{', '.join(IMPLEMENTED.values())}")
-
-    @property
-    def checkpoint_kind(self) -> str:
-        """What its checkpoints hold: "full" (whole files, one writer) or "dcp" (torch.distributed.checkpoint
-        shards written by every rank, readable at any world size)."""
-        return "dcp" if self.shards_drafter else "full"
-
-    @property
-    def evaluates_in_run(self) -> bool:
-        """Whether a rank can run the whole target for an evaluation during training."""
-        return not self.target_in_stages
 
     @property
     def min_world(self) -> int:

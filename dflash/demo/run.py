@@ -15,11 +15,10 @@ from dflash.data.batches import ChatDataset, dataset_items
 from dflash.decode.evaluate import evaluate, evaluate_baseline, format_results
 from dflash.kinds import named
 from dflash.regenerate.local import regenerate
-from dflash.train.parallel import layouts
+from dflash.train.parallel import drafter_state
 from dflash.train.records.monitor import claimed_run
 from dflash.train.records.rundir import RunDir
 from dflash.train.setup import load_target
-from dflash.train.parallel.sharded_checkpoint import full_drafter
 from dflash.train.trainer import train
 from dflash.demo import cpu_numerics
 from dflash.demo.corpus import demo_conversations
@@ -52,17 +51,8 @@ def run_demo(config: TrainConfig) -> int:
     if config.demo.cpu_kernels == "portable":
         cpu_numerics.hold()  # before any tensor op: ATen and MKL read their settings at their first kernel
     # the layout's process group, held past train(): a sharded drafter is gathered after it for the evaluation
-    with layouts.joined(config) as d, claimed_run(config, d) as run:
+    with drafter_state.of(config.layout).joined(config) as d, claimed_run(config, d) as run:
         return _run_demo(config, run, d)
-
-
-def _whole_drafter(drafter, config: TrainConfig, d: distributed.Dist):
-    """The trained drafter whole on rank 0 (None elsewhere) for the evaluation: under a sharded layout its
-    FSDP2 shards gathered into a plain fp32 drafter on the run's device (a collective of the drafter's ranks)."""
-    if not config.layout.shards_drafter:
-        return drafter
-    whole = full_drafter(drafter, d.rank)
-    return whole.to(d.device) if whole is not None else None
 
 
 def _run_demo(config: TrainConfig, run: RunDir, d: distributed.Dist) -> int:
@@ -80,7 +70,8 @@ def _run_demo(config: TrainConfig, run: RunDir, d: distributed.Dist) -> int:
     result = train(config, target=target, items=dataset_items(dataset))
     if result.stopped_by or result.drafter is None:  # stopped, or a --layout pipeline target stage
         return result.exit_code
-    drafter = _whole_drafter(result.drafter, config, d)
+    # whole on rank 0: a sharded drafter's shards gathered (a collective of the drafter's ranks)
+    drafter = drafter_state.of(config.layout).whole(result.drafter, d)
     if not d.is_main:
         return result.exit_code
     prompts = [prompt_ids(target.tokenizer, c) for c in held_out]

@@ -20,7 +20,7 @@ from dflash.batching import Batching, RankBatch, written_by
 from dflash.data.batches import data_fingerprint, item_lengths
 from dflash.errors import CheckpointError, TrainError
 from dflash.train.records import checkpoint as ckpt
-from dflash.train.parallel import layouts, sharded_checkpoint
+from dflash.train.parallel import drafter_state, layouts
 from dflash.train.evaluation import SplitEvaluator
 from dflash.train.probes.mfu import StepFlops
 from dflash.train.records.monitor import MonitorPlan, RunMonitor
@@ -68,9 +68,10 @@ class Lane:
         self.drafter.recompute_layers = config.runtime.recompute_layers
         if model.init_drafter:  # float32 master weights, whatever the file holds
             self.drafter.load_state_dict(load_drafter(model.init_drafter, dtype=torch.float32).state_dict())
-        self.layout = config.layout  # DDP, or FSDP2 sharding the drafter in place (dflash.train.parallel.layouts)
-        self.model = layouts.wrap_drafter(self.drafter, self.layout, d, compile=compile_layers(config, d.device))
-        self.optimizer = layouts.optimizer(self.drafter, config, d)
+        self.layout = config.layout
+        self.state = drafter_state.of(self.layout)  # DDP, or FSDP2 sharding the drafter in place
+        self.model = self.state.wrap(self.drafter, d, compile=compile_layers(config, d.device))
+        self.optimizer = self.state.optimizer(self.drafter, config, d)
         self.fingerprint = data_fingerprint(items)
         self.lengths = item_lengths(items)  # read once: every epoch's and a resume's order is made from them
         self.order = self._data_order()
@@ -108,7 +109,7 @@ class Lane:
             was = written.resume_flags(state)
             raise CheckpointError(f"--resume: {last} was written by a run with {was}; its position in the data "
                                   f"counts {written.unit}. Resume with {was}.")
-        sharded_checkpoint.restore(last, state, self.layout, self.drafter, self.optimizer, self.d)
+        self.state.restore(last, state, self.drafter, self.optimizer, self.d)
         self.scheduler.load_state_dict(state["scheduler"])
         ckpt.restore_rng(state["rng"])
         self.step = int(state["step"])
@@ -118,18 +119,10 @@ class Lane:
         return last
 
     def save(self) -> Path | None:
-        path = None
         train_state = {**self.order.state(), "data_fingerprint": self.fingerprint, "world_size": self.d.world_size,
                        "layout": self.layout.name, **self.batching.state()}
-        if self.layout.shards_drafter:  # every rank writes its shards
-            path = sharded_checkpoint.save(self.run_dir.checkpoints, step=self.step, drafter=self.drafter,
-                                           optimizer=self.optimizer, scheduler=self.scheduler, train_state=train_state,
-                                           config=self.config, keep=self.config.runtime.keep_checkpoints, d=self.d)
-        elif self.d.is_main:
-            path = ckpt.save_checkpoint(
-                self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
-                scheduler=self.scheduler, config=self.config, keep=self.config.runtime.keep_checkpoints,
-                train_state=train_state)
+        path = self.state.save(self.run_dir.checkpoints, step=self.step, drafter=self.drafter, optimizer=self.optimizer,
+                               scheduler=self.scheduler, train_state=train_state, config=self.config, d=self.d)
         if path is not None:
             log.info("checkpoint %s", path)
         distributed.barrier(self.d)

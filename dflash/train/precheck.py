@@ -135,7 +135,8 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
     from dflash.io.drafter_dir import read_drafter_config
     from dflash.train.records.checkpoint import STATE_FILE, latest_checkpoint, load_error_text
     from dflash.train.records.manifest import WRITTEN_KEY, check_manifest
-    from dflash.train.parallel.sharded_checkpoint import KIND_KEY, check_kind
+    from dflash.train.parallel import drafter_state
+    from dflash.train.parallel.sharded_checkpoint import KIND_KEY
     from dflash.train.records.rundir import RunDir
 
     root = RunDir(config.io.out).checkpoints
@@ -161,7 +162,7 @@ def check_resume_checkpoint(config: TrainConfig) -> None:
                                                loaded.get(KIND_KEY, "full") == "full" else set())
     if not isinstance(loaded, dict) or not needed <= loaded.keys():
         raise _damaged(last, state, "it loads, but holds no trainer state (optimizer, scheduler, rng, step)")
-    check_kind(last, loaded, config.layout)
+    drafter_state.of(config.layout).check_checkpoint(last, loaded)
     # bytes changed inside tensor data load without an error anywhere else
     problem = check_manifest(last, required=bool(loaded.get(WRITTEN_KEY)))
     if problem:

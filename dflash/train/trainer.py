@@ -25,7 +25,7 @@ from dflash.config.drafters import write_plan
 from dflash.data.batches import load_items
 from dflash.errors import SAID_BY_RANK_0, DflashError
 from dflash.train.records import checkpoint as ckpt
-from dflash.train.parallel import layouts, pipeline
+from dflash.train.parallel import drafter_state, layouts, pipeline
 from dflash.train.evaluation import eval_split
 from dflash.train.lane import TrainResult
 from dflash.train.loop import LoopResult, TrainingLoop
@@ -68,7 +68,7 @@ def run_drafters(config: TrainConfig, configs: dict[str, TrainConfig], *, specs:
     errors a user can act on. `specs`: the `drafters` list of a --config file (dflash.train.multi), written
     beside the run."""
     layouts.check_layout(config)  # before any process group or weight
-    with layouts.joined(config) as d, claimed_run(config, d) as run:
+    with drafter_state.of(config.layout).joined(config) as d, claimed_run(config, d) as run:
         stop = StopFlag().install() if handle_signals else StopFlag()
         loop = None
         try:

@@ -15,7 +15,9 @@
 
 Every layout computes the gradient one process computes on the whole global micro-batch, so a run's
 losses and weights do not depend on the layout or the world size (to float rounding). What each name means
-is dflash.config.layout's Layout (config.layout); this module builds it from those facts, never the name.
+is dflash.config.layout's Layout (config.layout). This module checks a launch against its layout and splits
+a pipeline's ranks; how each layout keeps the drafter's state (the group joined, the wrapper, the optimizer,
+the checkpoints) is dflash.train.parallel.drafter_state, from the layout's facts, never its name.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash import distributed
-from dflash.config import Layout, TrainConfig
+from dflash.config import TrainConfig
+from dflash.train.parallel import drafter_state
 from dflash.errors import ConfigError
 
 
@@ -76,11 +78,7 @@ def check_layout(config: TrainConfig, world_size: int | None = None) -> None:
     loaded, naming the fix."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if config.layout.shards_drafter and config.watch.eval_tau_prompts and config.watch.has_eval_split:
-        raise ConfigError(f"--eval-tau-prompts decodes with the whole drafter on rank 0, and --layout "
-                          f"{config.layout.name} holds it in shards across the ranks; drop --eval-tau-prompts (the "
-                          "evaluation's loss, accuracy and acceptance still run) and measure tau on the exported "
-                          "drafter with dflash-eval, or train with --layout replicate.")
+    drafter_state.of(config.layout).check(config)
     if not config.layout.target_in_stages:
         return
     if world_size < config.layout.min_world:
@@ -95,56 +93,6 @@ def check_layout(config: TrainConfig, world_size: int | None = None) -> None:
         raise ConfigError("--layout pipeline cannot evaluate during training (the evaluation runs the whole target "
                           "on one rank); drop --eval-data/--eval-fraction and evaluate the exported drafter with "
                           "dflash-eval afterwards.")
-
-
-def joined(config: TrainConfig):
-    """Join the process group this layout needs (a group of one for FSDP2 at world size 1) for the length
-    of a `with` block, which yields the Dist; the group is torn down when the block ends
-    (dflash.distributed.joined)."""
-    runtime, layout = config.runtime, config.layout
-    return distributed.joined(runtime.device, cpu_threads=runtime.cpu_threads,
-                              group_alone=layout.shards_drafter, host_collectives=layout.state_on_host)
-
-
-def wrap_drafter(drafter: torch.nn.Module, layout: Layout, d: distributed.Dist, compile: bool = False):
-    """The module the trainer calls: DDP (replicate, world size > 1), the drafter itself (replicate alone),
-    or the drafter sharded in place with FSDP2 (per decoder layer, then the root: fc, norms).
-
-    `compile` compiles each decoder layer: Drafter.compile_layers for replicate; for the sharded layouts
-    each layer's forward (FSDP2's gather and reshard hooks run around it, outside the compiled code: a
-    Module.compile()d layer is called past its compiled code once fully_shard wraps it).
-    """
-    if not layout.shards_drafter:
-        if compile:
-            drafter.compile_layers()
-        if not d.enabled:
-            return drafter
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None, process_group=d.group)
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    mesh = DeviceMesh.from_group(d.group, d.device.type) if d.group is not None else None
-    offload = CPUOffloadPolicy(pin_memory=d.device.type == "cuda") if layout.state_on_host else None
-    extra = {"offload_policy": offload} if offload else {}
-    for layer in drafter.layers:
-        fully_shard(layer, mesh=mesh, **extra)
-    fully_shard(drafter, mesh=mesh, **extra)
-    if compile:
-        # static shapes, as Drafter.compile_layers says why
-        for layer in drafter.layers:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
-    return drafter
-
-
-def optimizer(drafter: torch.nn.Module, config: TrainConfig, d: distributed.Dist) -> torch.optim.AdamW:
-    """AdamW over the drafter's (possibly sharded) parameters; fused where they live on a GPU, and fused
-    on the CPU for offload (torch's CPU kernel; the state lives there)."""
-    optim = config.optim
-    on_host = config.layout.state_on_host and d.device.type == "cuda"
-    return torch.optim.AdamW(drafter.parameters(), lr=optim.lr, weight_decay=optim.weight_decay,
-                             fused=d.device.type == "cuda" or on_host)
 
 
 def clip_grad_norm(drafter: torch.nn.Module, clip: float) -> torch.Tensor:

@@ -31,7 +31,6 @@ import torch
 from common.fsutil import atomic_write
 
 from dflash import distributed
-from dflash.config import Layout
 from dflash.errors import CheckpointError
 from dflash.train.records import checkpoint as ckpt
 from dflash.train import faults
@@ -147,30 +146,3 @@ def load(checkpoint: Path, drafter, optimizer, group=None) -> None:
                               f"{checkpoint.parent / 'latest'} at an older checkpoint, or start a new run without "
                               "--resume.") from None
     set_state_dict(drafter, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def check_kind(checkpoint: Path, state: dict, layout: Layout) -> None:
-    """Refuse a checkpoint written by a layout of the other kind (full files vs DCP shards)."""
-    kind = state.get(KIND_KEY, "full")
-    if kind == layout.checkpoint_kind:
-        return
-    if kind == "full":
-        raise CheckpointError(f"{checkpoint} was written by --layout replicate (whole optimizer state in "
-                              f"{ckpt.STATE_FILE}); --layout {layout.name} resumes sharded DCP checkpoints. Resume with "
-                              "--layout replicate, or start a new run without --resume.")
-    raise CheckpointError(f"{checkpoint} holds sharded DCP state (written by --layout shard, offload or pipeline); "
-                          f"--layout {layout.name} cannot read it. Resume with --layout shard (or offload, or "
-                          "pipeline), at any world size.")
-
-
-def restore(checkpoint: Path, state: dict, layout: Layout, drafter, optimizer, d: distributed.Dist) -> None:
-    """Load a checkpoint's drafter weights and AdamW state as `layout` keeps them: DCP shards, resharded
-    to this run's ranks, or today's whole files (replicate); `state` is its trainer_state.pt."""
-    check_kind(checkpoint, state, layout)
-    if layout.shards_drafter:
-        load(checkpoint, drafter, optimizer, d.group)
-        return
-    from safetensors.torch import load_file
-
-    drafter.load_state_dict(ckpt.load_weights(checkpoint, load_file, device=str(d.device)))
-    optimizer.load_state_dict(state["optimizer"])
