@@ -13,6 +13,7 @@ memory; `headroom_gb` keeps a margin for what the model does not see (other proc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -186,6 +187,17 @@ def stacked(drafters: list[DrafterShape]) -> DrafterShape:
                         recomputed=min(dr.recomputed for dr in drafters))
 
 
+def fewest_recomputed_layers(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, layout: str, world: int,
+                             card: Card, precision: str = "bf16", target_stages: int = 0) -> int | None:
+    """The fewest drafter layers recomputed in the backward (--recompute-layers) with which `mb` fits under
+    `layout`, more than the drafter recomputes now; None if recomputing every layer does not make it fit."""
+    for r in range(drafter.recomputed + 1, drafter.layers + 1):
+        trial = dataclasses.replace(drafter, recomputed=r)
+        if option(target, trial, mb, layout, world, card, precision=precision, target_stages=target_stages).fits:
+            return r
+    return None
+
+
 def worst_micro_batches(batching, world: int) -> list[MicroBatch]:
     """The per-rank micro-batches check_training_fits checks: those the run's batching can form at their
     largest (dflash.batching.base.Batching.worst_shapes: one packed row; the worse two of padded batches)."""
@@ -229,6 +241,11 @@ def check_training_fits(config, world: int, card_gb: float | None, layout: str |
     hints = ["train fewer drafters per run, or smaller ones (--drafter-layers)"] if drafters and len(drafters) > 1 else []
     smaller = largest_fitting_micro_batch(target, drafter, mb, layout, world, card, precision=precision,
                                           target_stages=stages) if chosen.ranks else None
+    recompute = fewest_recomputed_layers(target, drafter, mb, layout, world, card, precision, stages) \
+        if chosen.ranks else None
+    if recompute:
+        hints.append(f"--recompute-layers {recompute} (the same training, one more forward of {recompute} drafter "
+                     "layers a step)")
     if smaller:
         hints.append(f"--layout {layout} with {batching.smaller(smaller.batch, smaller.anchors, world)}")
     others = [o for o in plan(target, drafter, mb, card, world, precision=precision)[0] if o.fits and o.layout != layout]

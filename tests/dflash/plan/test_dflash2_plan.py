@@ -68,3 +68,23 @@ def test_the_memory_check_refuses_the_dflash2_pack_that_ran_out_of_memory():
             for kind in ("dflash", "dflash2") for n in (512, 1024)}
     assert peak[("dflash2", 512)] < 85.5 < peak[("dflash2", 1024)]
     assert peak[("dflash", 1024)] < 85.5
+
+
+def test_the_fewest_recomputed_layers_that_fit_the_dflash2_pack_are_named():
+    """The same DFlash2 pack of 1,024 anchors: the memory model finds the fewest --recompute-layers with which
+    it fits the H100 (a GPU run out of memory with 2 recomputed: the model puts that over the card too), and
+    none once every layer is recomputed."""
+    from dflash.plan.memory import MicroBatch, rank_peaks
+    from dflash.plan.planner import fewest_recomputed_layers
+    from dflash.plan.throughput import CARDS, Card
+
+    target = target_shape("27b", precision="fp8")
+    h100 = Card("85.5 GB visible", 85.5, CARDS["h200"].bf16_tflops, CARDS["h200"].link_gbps)
+    mb = MicroBatch(1, 8192, 1024)
+    r = fewest_recomputed_layers(target, drafter_shape(target, kind="dflash2"), mb, "replicate", 1, h100)
+    assert r is not None and 1 <= r <= 5
+    peak = {n: rank_peaks(target, drafter_shape(target, kind="dflash2", recompute=n), mb, "replicate")[0].total_gb
+            for n in (r - 1, r)}
+    assert peak[r] <= 85.5 < peak[r - 1]
+    assert fewest_recomputed_layers(target, drafter_shape(target, kind="dflash2", recompute=5), mb, "replicate", 1,
+                                    h100) is None  # nothing more to recompute
