@@ -14,6 +14,7 @@ import math
 
 from common.cli import DefaultsOnceHelpFormatter, add_version
 
+from dflash import kinds
 from dflash.errors import ConfigError
 from dflash.config.layout import LAYOUTS, Layout
 from dflash.plan.memory import PRECISIONS, MicroBatch
@@ -47,6 +48,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack-anchors", type=int, default=1024, help="with --pack-tokens: anchors per packed row")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--drafter-kind", choices=kinds.names(), default=kinds.DEFAULT,
+                   help="the drafter generation (dflash-train --drafter-kind)")
     p.add_argument("--sliding-window", type=int, default=0)
     p.add_argument("--recompute-layers", type=int, default=0, help="drafter layers that recompute their "
                    "activations in the backward (dflash-train --recompute-layers)")
@@ -193,7 +196,7 @@ def main(argv) -> int:
                           f"{card.name}; pass less than {card.memory_gb:g}")
     target = target_shape(args.target, precision=args.target_precision)
     drafter = drafter_shape(target, layers=args.drafter_layers, block_size=args.block_size,
-                            sliding_window=args.sliding_window, recompute=args.recompute_layers)
+                            sliding_window=args.sliding_window, kind=args.drafter_kind, recompute=args.recompute_layers)
     mb = (MicroBatch(1, args.pack_tokens, args.pack_anchors) if args.pack_tokens else
           MicroBatch(args.batch_size, args.seq_len, args.anchors))
     if args.table:

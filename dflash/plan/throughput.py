@@ -78,17 +78,17 @@ def _target_flops(target: TargetShape, mb: MicroBatch) -> float:
         * target.full_attention_layers
 
 
-def _drafter_flops(target: TargetShape, drafter: DrafterShape, mb: MicroBatch) -> float:
-    """dflash.model.flops.drafter_flops + head_flops, anchors spread evenly over the second half of each
-    sequence (the supervised half of dflash.train.probes.synthetic's items)."""
+def _drafter_flops(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, head: bool = True) -> float:
+    """dflash.model.flops.drafter_flops + head_flops (`head` False: without the head), anchors spread evenly
+    over the second half of each sequence (the supervised half of dflash.train.probes.synthetic's items)."""
     from dflash.model.flops import drafter_flops, head_flops
 
     bs, n = drafter.block_size, mb.anchors
     mean_anchor = 0.75 * mb.seq_len
     pairs = mb.batch * bs * (n * mean_anchor + bs * n)
     rows = mb.batch * n * bs
-    return drafter_flops(drafter.config, mb.batch * mb.seq_len, rows, pairs) + head_flops(drafter.config,
-                                                                                       rows * (bs - 1) // bs)
+    layers = drafter_flops(drafter.config, mb.batch * mb.seq_len, rows, pairs)
+    return layers + head_flops(drafter.config, rows * (bs - 1) // bs) if head else layers
 
 
 def phase_times(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card: Card, shards: int = 1) -> dict:
@@ -103,9 +103,13 @@ def phase_times(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card
     d_scale = _drafter_flops(target, drafter, mb) / _drafter_flops(ref_target, ref_drafter, ref_mb)
     # AdamW is memory-bound: bytes over the card's bandwidth; scaled here by the parameters alone
     o_scale = drafter.params / shards / ref_drafter.params
+    forward = H200_PHASES["drafter forward"] * d_scale * speed
+    # --recompute-layers: the backward runs r of the L layers forward again (the layers' share of the forward)
+    rerun = forward * _drafter_flops(target, drafter, mb, head=False) / _drafter_flops(target, drafter, mb) \
+        * drafter.recomputed / drafter.layers
     return {"target forward": H200_PHASES["target forward"] * t_scale * speed,
-            "drafter forward": H200_PHASES["drafter forward"] * d_scale * speed,
-            "drafter backward": H200_PHASES["drafter backward"] * d_scale * speed,
+            "drafter forward": forward,
+            "drafter backward": H200_PHASES["drafter backward"] * d_scale * speed + rerun,
             "optimizer": H200_PHASES["optimizer"] * o_scale * speed}
 
 

@@ -96,3 +96,17 @@ def test_the_memory_model_counts_a_recomputed_layer_as_its_input():
         per_layer = (COEFFS["layer"] + drafter_shape(target, kind=kind).layer_surplus) * rows_h
         assert act[0] - act[2] == pytest.approx(2 * (per_layer - COEFFS["input"] * rows_h))
         assert act[0] - act[5] == pytest.approx(4 * per_layer - 5 * COEFFS["input"] * rows_h)
+
+
+def test_the_throughput_model_counts_the_recomputed_forwards():
+    """Each recomputed layer adds its share of the drafter's forward to the backward (the head is not rerun)."""
+    from dflash.plan.memory import MicroBatch
+    from dflash.plan.sizes import drafter_shape, target_shape
+    from dflash.plan.throughput import CARDS, phase_times
+
+    target, mb = target_shape("27b"), MicroBatch(1, 8192, 1024)
+    t = {r: phase_times(target, drafter_shape(target, recompute=r), mb, CARDS["h200"]) for r in (0, 2, 5)}
+    extra = {r: t[r]["drafter backward"] - t[0]["drafter backward"] for r in (2, 5)}
+    assert 0 < extra[2] < extra[5] < t[0]["drafter forward"]
+    assert extra[5] == pytest.approx(2.5 * extra[2])
+    assert all(t[r]["drafter forward"] == t[0]["drafter forward"] for r in (2, 5))
