@@ -95,6 +95,29 @@ def test_the_layout_check_finds_a_comparison(tmp_path):
     assert len(_compared_names(probe, {"offload", "shard"})) == 2
 
 
+def _attributes_read(path: Path, names: set[str]) -> list[str]:
+    """Where `path` reads an attribute named in `names` (`x.shards_drafter`), as 'line: name'."""
+    return [f"{n.lineno}: {n.attr}" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr in names]
+
+
+def test_only_the_drafter_state_asks_how_a_layout_keeps_the_drafter():
+    """Training code asks dflash.train.parallel.drafter_state's classes (the group, the wrapper, the optimizer,
+    the checkpoints, the whole drafter), never a Layout's facts about the drafter's state; the plan's cost
+    models (dflash.plan) read them to count what each layout costs."""
+    facts = {"shards_drafter", "state_on_host"}
+    allowed = {ROOT / "config" / "layout.py", ROOT / "train" / "parallel" / "drafter_state.py"}
+    offenders = {str(p.relative_to(ROOT)): hits for p in MODULES if p not in allowed and _part(p) != "plan"
+                 and (hits := _attributes_read(p, facts))}
+    assert not offenders, f"the drafter-state facts read outside drafter_state and the plan: {offenders}"
+
+
+def test_the_fact_check_finds_a_read(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(config):\n    return config.layout.shards_drafter\n")
+    assert _attributes_read(probe, {"shards_drafter"}) == ["2: shards_drafter"]
+
+
 def test_module_names_are_unique_inside_dflash():
     """A module's name says its job: two modules of one name in different sub-packages read as one."""
     from collections import Counter
