@@ -208,8 +208,8 @@ class RuntimeConfig(Section):
                        choices=("auto", "on", "off"))
     recompute_layers: int = opt(0, "the drafter's first N decoder layers keep only their input and run forward "
                                 "again in the backward (activation checkpointing): the same loss and gradients, "
-                                "about 3 GB less per layer at the 27B shape with 1,024 anchors, for one more "
-                                "forward of each (0: none; at most --drafter-layers)")
+                                "about 4 GB less per layer at the 27B shape with 1,024 anchors (8 GB for "
+                                "dflash2, by the memory model), for one more forward of each (0: none; at most --drafter-layers)")
     memory_check: bool = opt(True, "before the target loads, refuse a --layout whose peak memory the memory model "
                               "(dflash plan) puts over what the GPU allows this process, naming a layout and batch "
                               "that fit; off: start anyway (no check on a CPU)")

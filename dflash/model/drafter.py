@@ -302,9 +302,9 @@ class Drafter(nn.Module):
     layer_class = DrafterLayer  # a drafter kind with other layers (dflash.kinds.dflash2.dflash2_drafter) names its own
     # The first `recompute_layers` decoder layers keep only their input for the backward, which runs each of
     # them forward again (activation checkpointing, non-reentrant; a compiled layer reruns its compiled
-    # graph): about 3 GB less per layer at the 27B shape with 1,024 anchors x block 16, for one more layer
-    # forward (bench/NOTES.md). How, not what: not part of the checkpoint; the same numbers either way.
-    # Set per run from --recompute-layers (dflash.train.lane).
+    # graph): about 4 GB less per layer at the 27B shape with 1,024 anchors x block 16 (8 GB for DFlash2, by
+    # dflash.plan.memory), for one more layer forward. How, not what: not part of the checkpoint; the same
+    # numbers either way. Set per run from --recompute-layers (dflash.train.lane).
     recompute_layers: int = 0
 
     def __init__(self, config: DrafterConfig, attention: str = "sdpa"):
