@@ -100,13 +100,15 @@ def phase_times(target: TargetShape, drafter: DrafterShape, mb: MicroBatch, card
     ref_mb = MicroBatch(**REFERENCE)
     speed = H200.bf16_tflops / card.bf16_tflops
     t_scale = _target_flops(target, mb) / _target_flops(ref_target, ref_mb)
-    d_scale = _drafter_flops(target, drafter, mb) / _drafter_flops(ref_target, ref_drafter, ref_mb)
+    drafter_f = _drafter_flops(target, drafter, mb)
+    d_scale = drafter_f / _drafter_flops(ref_target, ref_drafter, ref_mb)
     # AdamW is memory-bound: bytes over the card's bandwidth; scaled here by the parameters alone
     o_scale = drafter.params / shards / ref_drafter.params
     forward = H200_PHASES["drafter forward"] * d_scale * speed
-    # --recompute-layers: the backward runs r of the L layers forward again (the layers' share of the forward)
-    rerun = forward * _drafter_flops(target, drafter, mb, head=False) / _drafter_flops(target, drafter, mb) \
-        * drafter.recomputed / drafter.layers
+    rerun = 0.0  # --recompute-layers: the backward runs r of the L layers forward again (their share of it)
+    if drafter.recomputed:
+        layers_f = _drafter_flops(target, drafter, mb, head=False)
+        rerun = forward * layers_f / drafter_f * drafter.recomputed / drafter.layers
     return {"target forward": H200_PHASES["target forward"] * t_scale * speed,
             "drafter forward": forward,
             "drafter backward": H200_PHASES["drafter backward"] * d_scale * speed + rerun,
